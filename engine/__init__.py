@@ -1,0 +1,1 @@
+"""ferry execution engine: models, paged KV cache, scheduler, runner, sampler."""

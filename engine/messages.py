@@ -1,0 +1,98 @@
+"""The engine channel: typed messages between the frontend and an engine process.
+
+Frontend → engine: ``EngineRequest``, ``AbortRequests``, ``Shutdown`` (one tagged union).
+Engine → frontend: ``EngineReady`` once, then ``EngineOutputs`` batches.
+Encoded with msgspec msgpack; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class EngineRequest(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = 0.0
+    cache_salt: str = ""
+
+
+class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+EngineInput = EngineRequest | AbortRequests | Shutdown
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """The sampled token's logprob and the top alternatives (ids, logprobs)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """New tokens of one request since the last batch; ``finish_reason`` set on the last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    stop_token_id: int | None = None
+    error: str | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_query_tokens: int = 0  # cumulative prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # cumulative tokens found there
+    num_preemptions: int = 0  # cumulative
+
+
+class EngineOutputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineReady(msgspec.Struct, tag=True, frozen=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    model_name: str
+
+
+class EngineFailed(msgspec.Struct, tag=True, frozen=True):
+    message: str
+
+
+EngineMessage = EngineOutputs | EngineReady | EngineFailed
+
+_input_decoder = msgspec.msgpack.Decoder(EngineInput)
+_message_decoder = msgspec.msgpack.Decoder(EngineMessage)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_input(data: bytes) -> EngineInput:
+    return _input_decoder.decode(data)
+
+
+def decode_message(data: bytes) -> EngineMessage:
+    return _message_decoder.decode(data)

@@ -1,0 +1,68 @@
+"""Per-request sampling settings, carried to the engine process as a msgspec Struct."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How the next token is chosen and when generation stops.
+
+    Stop *strings* are matched by the frontend on detokenized text; stop *token
+    ids*, EOS and ``max_tokens`` are enforced by the engine.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token plus k top alternatives
+
+    def __post_init__(self) -> None:
+        problems = list(self.problems())
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self):
+        if not 0.0 <= self.temperature <= 2.0:
+            yield f"temperature must be in [0, 2], got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:
+            yield f"top_p must be in (0, 1], got {self.top_p}"
+        if self.top_k < 0:
+            yield f"top_k must be >= 0 (0 disables it), got {self.top_k}"
+        if not 0.0 <= self.min_p <= 1.0:
+            yield f"min_p must be in [0, 1], got {self.min_p}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                yield f"{name} must be in [-2, 2], got {value}"
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            yield f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+        if self.max_tokens < 1:
+            yield f"max_tokens must be >= 1, got {self.max_tokens}"
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            yield f"top_logprobs must be in [0, 20], got {self.logprobs}"
+        for token, bias in self.logit_bias.items():
+            if not -100.0 <= bias <= 100.0:
+                yield f"logit_bias for token {token} must be in [-100, 100], got {bias}"
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -1,0 +1,51 @@
+"""The one block hash of ferry.
+
+A block's key is a 128-bit xxh3 digest over the parent block's digest, the block's
+token ids as little-endian uint32, and extra keys (model fingerprint, cache salt,
+multimodal content hashes). The same input yields the same key in every process,
+on every host, after every restart: nothing here depends on Python's ``hash()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+BlockHash = bytes  # 16 bytes
+
+ROOT_HASH: BlockHash = b"\x00" * 16
+
+
+def block_hash(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Digest of one block chained to its parent's digest."""
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    if extra:
+        h.update(len(extra).to_bytes(4, "little"))
+        h.update(extra)
+    return h.digest()
+
+
+def hash_chain(
+    token_ids: Sequence[int], block_size: int, extra: bytes = b"", parent: BlockHash = ROOT_HASH
+) -> list[BlockHash]:
+    """Digests of every *full* block of ``token_ids``, each chained to the one before."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes
+
+
+def extra_keys(*parts: str | bytes | None) -> bytes:
+    """Pack extra hash inputs (model fingerprint, cache salt, ...) into one byte string."""
+    out = bytearray()
+    for part in parts:
+        if part is None:
+            continue
+        data = part.encode() if isinstance(part, str) else part
+        out += len(data).to_bytes(4, "little") + data
+    return bytes(out)

@@ -1,0 +1,1 @@
+"""The front door: OpenAI-compatible HTTP API and the ferry CLI."""

