@@ -57,7 +57,9 @@ class ModelConfig:
     @property
     def fingerprint(self) -> str:
         """Identifies the model's KV content (used in block hashes and file headers)."""
-        return f"{self.name}:{self.architecture}:{self.num_layers}x{self.num_kv_heads}x{self.head_dim}"
+        return (
+            f"{self.name}:{self.architecture}:{self.num_layers}x{self.num_kv_heads}x{self.head_dim}"
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:

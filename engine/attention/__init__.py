@@ -18,4 +18,10 @@ def backend_for(device: str, name: str = "auto") -> type[AttentionBackend]:
     return _BACKENDS[name]
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "backend_for", "register_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "ForwardContext",
+    "backend_for",
+    "register_backend",
+]

@@ -46,7 +46,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention over a ``KVCache`` with components ``k`` and ``v``."""
 
-    def __init__(self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(
+        self, cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+    ):
         self.cache = cache
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -67,5 +69,7 @@ class ForwardContext:
     meta: AttentionMetadata
     backend: AttentionBackend
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         return self.backend.forward(layer, q, k, v, self.meta)

@@ -26,7 +26,9 @@ class TorchSDPABackend(AttentionBackend):
         v = kv[..., width:].unflatten(-1, (self.num_kv_heads, self.head_dim))
         return k.transpose(-3, -2), v.transpose(-3, -2)  # [..., Hkv, L, D]
 
-    def _decode(self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """One query per sequence: gather every context into one padded batch."""
         max_blocks = -(-meta.max_seq_len // cache.shape[1])
         k, v = self._gather(cache, meta.block_tables[:, :max_blocks], meta.max_seq_len)
@@ -37,7 +39,9 @@ class TorchSDPABackend(AttentionBackend):
         )
         return out.squeeze(2).to(q.dtype)
 
-    def _varlen(self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _varlen(
+        self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size = cache.shape[1]
         start = 0
@@ -49,7 +53,9 @@ class TorchSDPABackend(AttentionBackend):
             if q_len > 1:
                 rows = torch.arange(seq_len - q_len, seq_len, device=q.device)
                 mask = rows[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
             out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
             start += q_len
         return out

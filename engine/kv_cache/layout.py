@@ -37,13 +37,17 @@ class KVCacheLayout:
         cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
     ) -> KVCacheLayout:
         shape = (num_kv_heads, head_dim)
-        return cls(num_layers, block_size, (KVComponent("k", shape), KVComponent("v", shape)), dtype)
+        return cls(
+            num_layers, block_size, (KVComponent("k", shape), KVComponent("v", shape)), dtype
+        )
 
     @classmethod
     def for_mla(
         cls, num_layers: int, latent_dim: int, rope_dim: int, block_size: int, dtype: torch.dtype
     ) -> KVCacheLayout:
-        return cls(num_layers, block_size, (KVComponent("latent", (latent_dim + rope_dim,)),), dtype)
+        return cls(
+            num_layers, block_size, (KVComponent("latent", (latent_dim + rope_dim,)),), dtype
+        )
 
     @property
     def token_width(self) -> int:
@@ -73,7 +77,9 @@ class KVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         self.layers = [
-            torch.zeros(num_blocks, layout.block_size, layout.token_width, dtype=layout.dtype, device=device)
+            torch.zeros(
+                num_blocks, layout.block_size, layout.token_width, dtype=layout.dtype, device=device
+            )
             for _ in range(layout.num_layers)
         ]
 

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure, never timed unit tests. Results go to bench/results/."""

@@ -1,0 +1,129 @@
+"""CPU engine throughput: ferry's engine vs transformers' ``generate``, in one run.
+
+    .venv/bin/python bench/cpu_engine.py [--model default] [--out bench/results/cpu_engine.json]
+
+Measures, on the same model and prompts: prefill tok/s (one 512-token prompt),
+decode tok/s at batch 1 and at batch 16 (128 new tokens per sequence, EOS ignored).
+Decode time excludes the prefill (a max_tokens=1 run of the same prompts is
+subtracted). Each figure is the median of --repeats runs after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import machine_info
+from engine.config import CacheConfig, EngineConfig
+from engine.llm import LLM
+from engine.loader import default_model_path
+from engine.sampling_params import SamplingParams
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
+
+
+def bench_ferry(model: str, args) -> dict:
+    llm = LLM(
+        EngineConfig(model=model, cache=CacheConfig(memory_gb=1.0, enable_prefix_caching=False))
+    )
+    vocab = llm.core.model_config.vocab_size
+
+    def gen(prompts, n):
+        return lambda: llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
+
+    long = _prompts(1, args.prefill_len, vocab, 0)
+    out = {"prefill_tok_s": args.prefill_len / _median_time(gen(long, 1), args.repeats)}
+    for batch in (1, 16):
+        prompts = _prompts(batch, args.prompt_len, vocab, batch)
+        t_prefill = _median_time(gen(prompts, 1), args.repeats)
+        t_total = _median_time(gen(prompts, args.new_tokens + 1), args.repeats)
+        out[f"decode_b{batch}_tok_s"] = batch * args.new_tokens / (t_total - t_prefill)
+    return out
+
+
+def bench_transformers(args) -> dict:
+    import transformers
+
+    path = Path(default_model_path())
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    model.generation_config.eos_token_id = None
+    vocab = model.config.vocab_size
+
+    def gen(prompts, n):
+        ids = torch.tensor(prompts)
+        kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n)
+        return lambda: model.generate(ids, do_sample=False, **kw)
+
+    with torch.inference_mode():
+        long = _prompts(1, args.prefill_len, vocab, 0)
+        out = {"prefill_tok_s": args.prefill_len / _median_time(gen(long, 1), args.repeats)}
+        for batch in (1, 16):
+            prompts = _prompts(batch, args.prompt_len, vocab, batch)
+            t_prefill = _median_time(gen(prompts, 1), args.repeats)
+            t_total = _median_time(gen(prompts, args.new_tokens + 1), args.repeats)
+            out[f"decode_b{batch}_tok_s"] = batch * args.new_tokens / (t_total - t_prefill)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--out", default="bench/results/cpu_engine.json")
+    args = parser.parse_args()
+
+    results = {"ferry": bench_ferry(args.model, args)}
+    if not args.skip_transformers:
+        results["transformers"] = bench_transformers(args)
+        results["ratio_ferry_over_transformers"] = {
+            k: results["ferry"][k] / results["transformers"][k] for k in results["ferry"]
+        }
+    report = {
+        "benchmark": "cpu_engine",
+        **machine_info(),
+        "model": args.model,
+        "settings": {
+            k: getattr(args, k) for k in ("prefill_len", "prompt_len", "new_tokens", "repeats")
+        },
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'metric':<18}{'ferry':>10}{'transformers':>14}{'ratio':>8}")
+    for key, value in results["ferry"].items():
+        ref = results.get("transformers", {}).get(key)
+        ratio = f"{value / ref:8.2f}" if ref else ""
+        ref_s = f"{ref:14.1f}" if ref else ""
+        print(f"{key:<18}{value:10.1f}{ref_s}{ratio}")
+
+
+if __name__ == "__main__":
+    main()

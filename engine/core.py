@@ -1,0 +1,198 @@
+"""The engine core: schedule → execute → update, and the process that runs it.
+
+``EngineCore`` is usable in-process (tests, benchmarks). ``python -m engine.core``
+runs it in its own process behind the engine channel (``engine.messages``), so the
+frontend's HTTP handling, tokenization and detokenization never compete with the step
+loop for the GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+import msgspec
+import torch
+
+from engine import envs
+from engine.attention import backend_for
+from engine.config import EngineConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.layout import KVCache, KVCacheLayout
+from engine.kv_cache.manager import KVCacheManager
+from engine.loader import load_model
+from engine.messages import (
+    AbortRequests,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    EngineRequest,
+    RequestOutput,
+    Shutdown,
+    decode_input,
+    encode,
+)
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+from kvstore.hashing import extra_keys
+
+log = logging.getLogger("ferry.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        dtype = _DTYPES[config.dtype]
+        loaded = load_model(config.model, device=config.device, dtype=dtype, progress=progress)
+        self.model_config = loaded.config
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids) if loaded.tokenizer else ()
+        layout = loaded.model.kv_layout(config.cache.block_size, dtype)
+        self.config = self._resolve(config, layout)
+        cache_cfg = self.config.cache
+        self.kv_cache = KVCache(layout, cache_cfg.num_blocks, config.device)
+        mc = loaded.config
+        backend = backend_for(config.device)(
+            self.kv_cache, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim**-0.5
+        )
+        pool = BlockPool(cache_cfg.num_blocks, cache_cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(pool, cache_cfg.block_size)
+        self.max_model_len = self.config.scheduler.max_model_len
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
+        sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
+        self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
+        self._hash_extra = extra_keys(mc.fingerprint)
+
+    def _resolve(self, config: EngineConfig, layout: KVCacheLayout) -> EngineConfig:
+        """Fill in what is only known now: block count and context length."""
+        cache = config.cache
+        if cache.num_blocks == 0:
+            num_blocks = int(cache.memory_gb * 2**30) // layout.bytes_per_block + 1
+            cache = dataclasses.replace(cache, num_blocks=num_blocks)
+        capacity = (cache.num_blocks - 1) * cache.block_size
+        limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        sched = dataclasses.replace(config.scheduler, max_model_len=min(limit, capacity))
+        return config.replace(cache=cache, scheduler=sched)
+
+    def add_request(self, msg: EngineRequest) -> RequestOutput | None:
+        """Queue a request; returns an error output instead if it cannot run."""
+        n = len(msg.prompt_token_ids)
+        problem = None
+        if n == 0:
+            problem = "the prompt is empty"
+        elif n + msg.sampling.max_tokens > self.max_model_len:
+            problem = (
+                f"prompt ({n} tokens) + max_tokens ({msg.sampling.max_tokens}) exceeds the "
+                f"context length ({self.max_model_len})"
+            )
+        elif (
+            max(msg.prompt_token_ids) >= self.model_config.vocab_size
+            or min(msg.prompt_token_ids) < 0
+        ):
+            problem = "prompt holds token ids outside the vocabulary"
+        if problem:
+            return RequestOutput(msg.request_id, [], "error", error=problem)
+        extra = self._hash_extra + (extra_keys(msg.cache_salt) if msg.cache_salt else b"")
+        self.scheduler.add(
+            Request(
+                msg.request_id,
+                list(msg.prompt_token_ids),
+                msg.sampling,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=msg.arrival_time,
+                hash_extra=extra,
+            )
+        )
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort(request_ids)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+# -- the engine process ----------------------------------------------------------------------
+
+
+def serve(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Run an EngineCore behind ZMQ sockets until told to shut down."""
+    import zmq
+
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(input_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.connect(output_addr)
+    try:
+        core = EngineCore(config, progress=True)
+    except Exception as exc:  # report why we could not start, then exit
+        log.exception("engine failed to start")
+        outbox.send(encode(EngineFailed(f"{type(exc).__name__}: {exc}")))
+        return
+    outbox.send(
+        encode(
+            EngineReady(
+                core.config.cache.num_blocks,
+                core.config.cache.block_size,
+                core.max_model_len,
+                core.model_name,
+            )
+        )
+    )
+    _loop(core, inbox, outbox)
+
+
+def _loop(core: EngineCore, inbox, outbox) -> None:
+    check = envs.DEBUG_INTEGRITY.get()
+    while True:
+        errors: list[RequestOutput] = []
+        timeout = 0 if core.has_work else None
+        while inbox.poll(timeout):
+            msg = decode_input(inbox.recv())
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, AbortRequests):
+                core.abort(msg.request_ids)
+            elif isinstance(msg, EngineRequest):
+                err = core.add_request(msg)
+                if err is not None:
+                    errors.append(err)
+            timeout = 0
+        outputs = errors + (core.step() if core.has_work else [])
+        outbox.send(encode(EngineOutputs(outputs, core.scheduler.stats(), time.time())))
+        if check and not core.has_work:
+            core.check_integrity()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine.core")
+    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
+    serve(msgspec.json.decode(args.config, type=EngineConfig), args.input, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Offline use of the engine in the calling process: batch in, completions out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.messages import EngineRequest, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLM:
+    """Runs an ``EngineCore`` in this process. ``generate`` submits every prompt at once
+    and steps the engine until all finish, so they are batched continuously."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.core = EngineCore(config or EngineConfig())
+        self.tokenizer = self.core.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self, prompts: Sequence[list[int]], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        results = {rid: Completion() for rid in ids}
+        for rid, prompt, sp in zip(ids, prompts, params):
+            error = self.core.add_request(EngineRequest(rid, list(prompt), sp))
+            if error is not None:
+                raise ValueError(error.error)
+        while self.core.has_work:
+            for out in self.core.step():
+                done = results[out.request_id]
+                done.token_ids.extend(out.new_token_ids)
+                done.logprobs.extend(out.logprobs or [])
+                done.num_cached_tokens = out.num_cached_tokens
+                done.finish_reason = out.finish_reason
+        return [results[rid] for rid in ids]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)

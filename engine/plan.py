@@ -1,0 +1,64 @@
+"""The scheduler's decision for one step, as plain data the runner executes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """Sent the first time the runner sees a request: what it keeps for sampling."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``start_pos .. start_pos+len(token_ids)`` of one sequence, to run this step.
+
+    ``block_ids`` is the sequence's whole block table. ``sample`` is true when the chunk
+    ends at the sequence's last token, so its final row is sampled.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # the runner drops their state
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the runner sampled: for each chunk with ``sample``, one token (and logprobs)."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, object] = field(default_factory=dict)  # request_id -> TokenLogprob

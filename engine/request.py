@@ -1,0 +1,80 @@
+"""Engine-side state of one request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.kv_cache.block_pool import Block
+from engine.sampling_params import SamplingParams
+from kvstore.hashing import ROOT_HASH, BlockHash, block_hash
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A sequence being generated.
+
+    ``num_computed_tokens`` counts tokens whose KV sits in ``blocks``; the tokens from
+    there to ``num_tokens`` are still to run through the model. After a preemption the
+    count drops to 0 and prompt + output are recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    hash_extra: bytes = b""
+    output_token_ids: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hits at first schedule; -1 until then
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids ``[start, end)`` of prompt + output."""
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def full_block_hashes(self, block_size: int, num_tokens: int) -> list[BlockHash]:
+        """Hashes of the full blocks among the first ``num_tokens`` tokens (memoised)."""
+        while (len(self.block_hashes) + 1) * block_size <= num_tokens:
+            start = len(self.block_hashes) * block_size
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            tokens = self.token_ids(start, start + block_size)
+            self.block_hashes.append(block_hash(parent, tokens, self.hash_extra))
+        return self.block_hashes[: num_tokens // block_size]
