@@ -1,0 +1,352 @@
+"""The sampler: one step's logits in, one token per row out.
+
+Contract
+--------
+``Sampler.__call__(logits, rows)`` takes float32 logits ``[N, V]`` (one row per request sampled
+this step) and the ``N`` matching ``SamplingRow``s, and returns one token id per row plus, for
+rows whose ``params.logprobs`` is set, a ``TokenLogprob``. ``V`` may exceed ``vocab_size``:
+columns at or past ``vocab_size`` are padding and are never chosen nor reported. The input
+tensor is never modified. Token ids in rows must lie in ``[0, vocab_size)``.
+
+Per row, in this order (what vLLM and OpenAI users expect):
+
+1. ``logit_bias`` is added (ids outside the vocabulary are ignored).
+2. While fewer than ``min_tokens`` tokens have been generated, the stop tokens (the row's EOS
+   ids unless ``ignore_eos``, plus ``stop_token_ids``, as vLLM does) are set to -inf.
+3. Repetition penalty (HF/vLLM) over prompt + output tokens: positive logits are divided by
+   it, negative ones multiplied.
+4. Frequency and presence penalties (OpenAI) over output tokens:
+   ``logit -= frequency * count + presence * (count > 0)``.
+5. Greedy rows (``params.greedy``: temperature 0 or top_k 1) take the argmax; ties go to the
+   lowest id.
+6. Other rows: divide by temperature, then top-k, top-p, min-p, then one draw from what is left.
+
+Logprobs are the raw model's, as vLLM reports them by default: ``log_softmax`` of the input
+logits before any step above; the sampled token's plus the ``params.logprobs`` best tokens,
+best first.
+
+Reproducibility: a row is sampled by inverse CDF from exactly one uniform number per step,
+drawn from the row's own ``generator`` when it has one (else from the sampler's shared one),
+and every tensor computed for a row depends on that row alone. A seeded request therefore gets
+the same tokens alone or in any batch, at any row position. (An exponential race would need
+``V`` random numbers per row; on CPU torch draws those at ~30 ns each, 25 ms for a
+16 x 49152 batch, against ~1 ms for the cumulative sum used here.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.messages import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+MIN_TEMPERATURE = 1e-5  # smaller positive temperatures are raised to it: logits / t stays finite
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits matrix.
+
+    Token id sequences may be lists or 1-D int64 CPU tensors; a tensor kept by the caller
+    spares converting a long prompt on every step when ``repetition_penalty`` is set.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # from Sampler.new_generator(seed); None: shared
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()  # generated so far
+    eos_token_ids: tuple[int, ...] = ()
+
+    def suppressed_stop_ids(self) -> tuple[int, ...]:
+        """Ids forbidden this step because ``min_tokens`` has not been reached yet."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else tuple(self.eos_token_ids)
+        return eos + tuple(self.params.stop_token_ids)
+
+    def needs_processing(self) -> bool:
+        """True when steps 1-4 of the module contract change this row's logits."""
+        return bool(
+            self.params.logit_bias or self.params.needs_penalties or self.suppressed_stop_ids()
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
+
+
+class Sampler:
+    """Chooses the next token of every row; see the module docstring for the contract."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = self.new_generator(seed)
+
+    def new_generator(self, seed: int) -> torch.Generator:
+        """A generator on the sampler's device for a request's ``params.seed``; keep one per
+        request for its whole life and pass it in every ``SamplingRow`` of that request."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
+        if not rows:
+            return SamplerOutput([], [])
+        raw = logits[:, : self.vocab_size]
+        tokens = self._choose(process_logits(raw, rows), rows)
+        return SamplerOutput(tokens.tolist(), token_logprobs(raw, rows, tokens))
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if len(greedy) == len(rows):
+            return logits.argmax(-1)
+        rest = [i for i, row in enumerate(rows) if not row.params.greedy]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if greedy:
+            tokens[greedy] = _take(logits, greedy).argmax(-1)
+        tokens[rest] = self._sample(_take(logits, rest), [rows[i] for i in rest])
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Step 6 for rows that are all non-greedy; returns their token ids."""
+        temperatures = [max(row.params.temperature, MIN_TEMPERATURE) for row in rows]
+        scaled = logits / _column(temperatures, logits)
+        apply_top_k(scaled, [row.params.top_k for row in rows])
+        apply_top_p(scaled, [row.params.top_p for row in rows])
+        apply_min_p(scaled, [row.params.min_p for row in rows])
+        return sample_inverse_cdf(scaled.softmax(-1), self._uniforms(rows))
+
+    def _uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """One uniform number in [0, 1) per row, from the row's own generator when it has one."""
+        u = torch.empty(len(rows), device=self.device)
+        shared = [i for i, row in enumerate(rows) if row.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), device=self.device, generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                u[i] = torch.rand(1, device=self.device, generator=row.generator)[0]
+        return u
+
+
+# -- steps 1-4: logits processing -------------------------------------------------------------
+
+
+def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Apply logit bias, min_tokens stop suppression and penalties (steps 1-4).
+
+    Returns ``logits`` itself when no row needs any of them, else a processed copy; the
+    argument is never modified.
+    """
+    if not any(row.needs_processing() for row in rows):
+        return logits
+    out = logits.clone(memory_format=torch.contiguous_format)
+    apply_logit_bias(out, rows)
+    suppress_stop_tokens(out, rows)
+    apply_penalties(out, rows)
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's ``logit_bias`` in place; ids outside ``[0, V)`` are ignored."""
+    vocab = logits.shape[1]
+    entries = [
+        (i, token, bias)
+        for i, row in enumerate(rows)
+        for token, bias in row.params.logit_bias.items()
+        if 0 <= token < vocab
+    ]
+    if entries:
+        row_ids, token_ids, biases = zip(*entries, strict=True)
+        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(_index(row_ids, token_ids, logits.device), values, accumulate=True)
+
+
+def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Set to -inf, in place, the stop ids of rows still short of ``min_tokens``."""
+    vocab = logits.shape[1]
+    entries = [
+        (i, token)
+        for i, row in enumerate(rows)
+        for token in row.suppressed_stop_ids()
+        if 0 <= token < vocab
+    ]
+    if entries:
+        row_ids, token_ids = zip(*entries, strict=True)
+        logits[_index(row_ids, token_ids, logits.device)] = NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Apply repetition, then frequency and presence penalties, in place (``logits`` must be
+    contiguous).
+
+    Sparse: only the (row, id) pairs that occur are read and written, so the cost follows the
+    number of tokens, not the vocabulary size; rows without a penalty are not looked at.
+    """
+    index = [i for i, row in enumerate(rows) if row.params.needs_penalties]
+    if not index:
+        return
+    vocab, flat = logits.shape[1], logits.view(-1)
+    repeated = [i for i in index if rows[i].params.repetition_penalty != 1.0]
+    if repeated:
+        seen = _flat_ids(rows, repeated, vocab, prompt=True).to(logits.device).unique()
+        penalty = _per_row(rows, "repetition_penalty", logits)[seen // vocab]
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    keys, counts = _flat_ids(rows, index, vocab).to(logits.device).unique(return_counts=True)
+    if keys.numel():
+        owner = keys // vocab
+        frequency = _per_row(rows, "frequency_penalty", logits)[owner]
+        presence = _per_row(rows, "presence_penalty", logits)[owner]
+        flat[keys] -= frequency * counts.to(logits.dtype) + presence
+
+
+def _flat_ids(
+    rows: Sequence[SamplingRow], index: list[int], vocab: int, prompt: bool = False
+) -> torch.Tensor:
+    """``row * vocab + id`` for every output id (and prompt id if asked) of rows ``index``."""
+    parts = [torch.empty(0, dtype=torch.long)]
+    for i in index:
+        lists = (
+            (rows[i].prompt_token_ids, rows[i].output_token_ids)
+            if prompt
+            else (rows[i].output_token_ids,)
+        )
+        parts += [torch.as_tensor(ids, dtype=torch.long) + i * vocab for ids in lists]
+    return torch.cat(parts)
+
+
+def _per_row(rows: Sequence[SamplingRow], name: str, like: torch.Tensor) -> torch.Tensor:
+    """One ``SamplingParams`` field of every row, as a tensor."""
+    values = [getattr(row.params, name) for row in rows]
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+# -- step 6: filters and the draw -------------------------------------------------------------
+
+
+def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> None:
+    """Keep each row's ``k`` largest logits (and any tied with the k-th), in place.
+
+    ``k == 0`` or ``k >= V`` leaves the row alone.
+    """
+    index = [i for i, k in enumerate(top_k) if 0 < k < logits.shape[1]]
+    if not index:
+        return
+    ks = torch.tensor([top_k[i] for i in index], device=logits.device)
+    x = _take(logits, index)
+    kth = x.topk(int(ks.max())).values.gather(1, (ks - 1).unsqueeze(1))
+    x.masked_fill_(x < kth, NEG_INF)
+    _put(logits, index, x)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> None:
+    """Keep each row's nucleus, in place: the fewest most likely tokens whose probability mass
+    reaches ``p`` (tokens tied with the least likely kept one stay too). ``p == 1``: off.
+
+    Tokens below ``(1 - p) / V`` hold less than ``1 - p`` together, so each nucleus lies among
+    the row's other tokens and only those are sorted (a few hundred for a peaked distribution).
+    """
+    index = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not index:
+        return
+    x = _take(logits, index)
+    probs = x.softmax(-1)
+    p = _column([top_p[i] for i in index], probs)
+    candidates = (probs >= (1.0 - p) / probs.shape[1]).sum(-1, keepdim=True)
+    ordered = probs.topk(int(candidates.max())).values
+    last = (ordered.cumsum(-1) < p).sum(-1, keepdim=True).clamp(max=candidates - 1)
+    x.masked_fill_(probs < ordered.gather(1, last), NEG_INF)
+    _put(logits, index, x)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> None:
+    """Drop, in place, tokens whose probability is below ``min_p`` times the row's best.
+
+    Done on logits: ``p_i < m * p_max`` iff ``x_i < x_max + log(m)``; renormalising after
+    top-k/top-p does not change that ratio. ``min_p == 0``: off.
+    """
+    index = [i for i, m in enumerate(min_p) if m > 0.0]
+    if not index:
+        return
+    x = _take(logits, index)
+    floor = x.amax(-1, keepdim=True) + _column([math.log(min_p[i]) for i in index], x)
+    x.masked_fill_(x < floor, NEG_INF)
+    _put(logits, index, x)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token ids drawn from each row of ``probs`` with the matching uniform in [0, 1).
+
+    Picks the first id whose cumulative probability exceeds ``u * total``; the target is kept
+    strictly below the total so that an id with zero probability is never picked.
+    """
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
+) -> list[TokenLogprob | None]:
+    """Raw-model logprobs of the sampled tokens and of the top alternatives, per row."""
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    index = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not index:
+        return out
+    logprobs = _take(logits, index).log_softmax(-1)
+    picked = tokens[index] if len(index) < len(rows) else tokens
+    chosen = logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
+    picked_ids = picked.tolist()
+    k = max(rows[i].params.logprobs for i in index)
+    top = logprobs.topk(k) if k else None
+    top_values = top.values.tolist() if top else [[]] * len(index)
+    top_ids = top.indices.tolist() if top else [[]] * len(index)
+    for j, i in enumerate(index):
+        k_i = rows[i].params.logprobs
+        out[i] = TokenLogprob(picked_ids[j], chosen[j], top_ids[j][:k_i], top_values[j][:k_i])
+    return out
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _take(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """Rows ``index`` of ``x``: ``x`` itself when that is every row, else a copy."""
+    return x if len(index) == x.shape[0] else x[torch.tensor(index, device=x.device)]
+
+
+def _put(x: torch.Tensor, index: list[int], rows: torch.Tensor) -> None:
+    """Write back rows taken with ``_take``."""
+    if rows is x:
+        return
+    if len(index) == x.shape[0]:
+        x.copy_(rows)
+    else:
+        x[torch.tensor(index, device=x.device)] = rows
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _index(
+    row_ids: Sequence[int], token_ids: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor(row_ids, dtype=torch.long, device=device),
+        torch.tensor(token_ids, dtype=torch.long, device=device),
+    )
