@@ -1,0 +1,224 @@
+"""The FastAPI application: routes, auth, request metrics and the engine's lifespan.
+
+``create_app(config, client)`` returns an app whose lifespan starts the engine client
+(``await client.start()``) and shuts it down on exit. Routes:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
+- ``GET /v1/models``, ``GET /v1/models/{id}``,
+- ``GET /health`` (200 while the engine is healthy, else 503), ``GET /metrics``.
+
+A non-streaming request whose client disconnects is cancelled, which aborts its engine
+requests; a streaming one is cancelled by Starlette when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Protocol, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server import errors
+from server.config import ServerConfig
+from server.metrics import CONTENT_TYPE, Metrics
+from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.serving import ChatRenderer, CompletionRenderer, EngineLike, Serving
+
+log = logging.getLogger("ferry.server")
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_ENDPOINTS = {
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+}  # fmt: skip
+
+
+class EngineLifecycle(EngineLike, Protocol):
+    """An engine client the app starts and stops (``engine.client.EngineClient``)."""
+
+    model_name: str
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+def create_app(config: ServerConfig, client: EngineLifecycle) -> FastAPI:
+    metrics = Metrics(lambda: getattr(client, "stats", None))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await client.start()
+        name = config.served_model_name or client.model_name
+        app.state.serving = Serving(client, metrics, name)
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="ferry", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+    app.state.client = client
+    app.state.metrics = metrics
+    errors.install_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _on_disconnected)
+    _add_routes(app)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
+    return app
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status, media_type="application/json")
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        healthy = request.app.state.client.is_healthy
+        return Response(status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return _json(ModelList(data=[_model_card(request)]))
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> Response:
+        card = _model_card(request)
+        if model != card.id:
+            raise errors.model_not_found(model)
+        return _json(card)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
+        serving = _serving(request)
+        renderer = ChatRenderer(serving, await serving.prepare_chat(body), body)
+        if body.stream:
+            return _event_stream(renderer.stream())
+        return _json(await until_disconnected(request, renderer.response()))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
+        serving = _serving(request)
+        renderer = CompletionRenderer(serving, await serving.prepare_completion(body), body)
+        if body.stream:
+            return _event_stream(renderer.stream())
+        return _json(await until_disconnected(request, renderer.response()))
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The JSON body as ``model``, whatever the Content-Type; 400 when it is not valid JSON
+    or does not validate."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise errors.invalid_request(f"Invalid JSON body: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise errors.validation_error(exc.errors()) from exc
+
+
+def _model_card(request: Request) -> ModelCard:
+    serving = _serving(request)
+    return ModelCard(id=serving.model_name, max_model_len=serving.client.max_model_len)
+
+
+def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+async def _on_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (which aborts
+    its engine requests) and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)  # let its cleanup run
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns once the ASGI server reports ``http.disconnect`` (the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- middleware ----------------------------------------------------------------------------
+
+
+class ApiKeyMiddleware:
+    """Rejects ``/v1/*`` requests without ``Authorization: Bearer <api_key>`` (401)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = dict(scope["headers"])
+            sent = headers.get(b"authorization", b"")
+            if not secrets.compare_digest(sent, self._expected):
+                response = errors.unauthorized().response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestMetricsMiddleware:
+    """Counts HTTP requests by endpoint and status (pure ASGI: streaming stays untouched)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,22 @@
+"""Frozen configuration of the HTTP front door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where to listen and who may call.
+
+    ``api_key``: when set, every ``/v1/*`` request must send ``Authorization: Bearer
+    <key>``; ``/health`` and ``/metrics`` stay open. ``served_model_name``: the model id
+    clients see and send (default: the engine's model name).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    graceful_shutdown_s: float = 5.0

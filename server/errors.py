@@ -1,0 +1,134 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Handlers installed by ``install_handlers`` turn every failure into that shape with the
+right status: pydantic validation and malformed JSON become 400 (not FastAPI's 422),
+unknown routes 404, anything unexpected 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("ferry.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """An error the client sees; raise it anywhere in request handling."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "api_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid_request(message: str, param: str | None = None) -> APIError:
+    return APIError(message, 400, param=param)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
+    )
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",
+        401,
+        code="invalid_api_key",
+    )
+
+
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(f"The engine is unavailable: {reason}", 503, code="engine_unavailable")
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 from pydantic's error list (``ValidationError.errors()``)."""
+    message, param = _validation_message(errors)
+    return invalid_request(message, param)
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """One readable sentence from pydantic's error list, plus the offending field."""
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"Invalid JSON body: {first.get('msg', '')}".rstrip(": "), None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    parts = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts), param
+
+
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(exc.errors()).response()
+
+
+async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    try:
+        phrase = HTTPStatus(exc.status_code).phrase
+    except ValueError:
+        phrase = "Error"
+    detail = exc.detail if isinstance(exc.detail, str) else phrase
+    return APIError(detail, exc.status_code).response()
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500).response()
+
+
+def install_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(Exception, _on_unexpected)

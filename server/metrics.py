@@ -1,0 +1,89 @@
+"""Prometheus metrics of the front door, in their own registry, all named ``ferry_*``.
+
+The server records what it sees (requests by endpoint and status, TTFT, inter-token
+and end-to-end latency, prompt and generated tokens). Engine-side numbers (running and
+waiting requests, KV blocks, prefix-cache tokens, preemptions) are read from the
+engine client's latest ``EngineStats`` at scrape time by ``EngineStatsCollector``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.messages import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the engine's latest stats, read through ``get_stats`` at each scrape."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats | None]) -> None:
+        self._get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._get_stats() or EngineStats()
+        for name, doc, value in (
+            ("num_requests_running", "Requests the engine is running", stats.num_running),
+            ("num_requests_waiting", "Requests queued in the engine", stats.num_waiting),
+            ("kv_blocks_used", "KV cache blocks referenced by requests", stats.kv_blocks_used),
+            ("kv_blocks_total", "KV cache blocks in the pool", stats.kv_blocks_total),
+        ):
+            yield GaugeMetricFamily(f"ferry_{name}", doc, value=value)
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             stats.prefix_query_tokens),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             stats.prefix_hit_tokens),
+            ("num_preemptions", "Requests preempted by the engine", stats.num_preemptions),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"ferry_{name}", doc, value=value)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class Metrics:
+    """The server's metrics; one instance per app, with its own registry."""
+
+    def __init__(self, get_stats: Callable[[], EngineStats | None] = lambda: None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "ferry_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "ferry_time_to_first_token_seconds", "Time from arrival to the first token",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "ferry_inter_token_latency_seconds", "Time between consecutive output tokens",
+            buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "ferry_e2e_request_latency_seconds", "Time from arrival to the last token",
+            buckets=_E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "ferry_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter("ferry_generation_tokens", "Tokens generated", registry=r)
+        r.register(EngineStatsCollector(get_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

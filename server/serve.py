@@ -1,0 +1,117 @@
+"""``ferry serve``: one engine process behind the OpenAI-compatible HTTP server.
+
+Flags build a frozen ``EngineConfig`` and ``ServerConfig``; uvicorn runs the app, whose
+lifespan starts the engine and stops it on SIGINT/SIGTERM. When the socket is bound
+one line goes to stdout: ``ferry: serving <model> on http://<host>:<port>`` (the real
+port, also with ``--port 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from engine import envs
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from server.config import ServerConfig
+
+log = logging.getLogger("ferry.server")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="GGUF file, HF folder, 'default' (SmolLM2-135M) or 'dummy:<preset>'",
+    )
+    p.add_argument("--served-model-name", help="model id clients see (default: from the model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--block-size", type=int, help="KV cache block size in tokens")
+    p.add_argument("--kv-cache-memory-gb", type=float, help="memory for the KV cache")
+    p.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
+    p.add_argument("--seed", type=int, help="engine seed for unseeded requests")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--device", help="cpu or cuda[:i]")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
+    return p  # fmt: skip
+
+
+def _given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
+    """Config field → value for the flags the user gave (``fields``: field → flag dest)."""
+    picked = {field: getattr(args, dest) for field, dest in fields.items()}
+    return {k: v for k, v in picked.items() if v is not None}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    cache = CacheConfig(**_given(args, block_size="block_size", memory_gb="kv_cache_memory_gb"))
+    scheduler = SchedulerConfig(
+        **_given(
+            args,
+            max_num_seqs="max_num_seqs",
+            max_num_batched_tokens="max_num_batched_tokens",
+            max_model_len="max_model_len",
+        )
+    )
+    top = _given(args, seed="seed", num_threads="threads", device="device", dtype="dtype")
+    return EngineConfig(model=args.model, cache=cache, scheduler=scheduler, **top)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or envs.API_KEY.get(),
+        served_model_name=args.served_model_name,
+        log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = server_config(args)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(serve(config, engine_config(args)))
+
+
+async def serve(config: ServerConfig, engine: EngineConfig) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit code."""
+    import uvicorn
+
+    from engine.client import EngineClient
+    from server.app import create_app
+
+    client = EngineClient(engine)
+    app = create_app(config, client)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=config.graceful_shutdown_s,
+        )
+    )
+    announce = asyncio.create_task(_announce(server, client, config))
+    try:
+        await server.serve()
+    finally:
+        announce.cancel()
+    return 0 if server.started else 1
+
+
+async def _announce(server: Any, client: Any, config: ServerConfig) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    name = config.served_model_name or client.model_name
+    print(f"ferry: serving {name} on http://{host}:{port}", flush=True)

@@ -1,0 +1,122 @@
+"""A real ``ferry serve`` for the end-to-end tests: one process per session.
+
+The server runs the default model (SmolLM2-135M GGUF) on a free loopback port with an
+API key (every test sends it; the auth tests leave it out) and with
+``FERRY_DEBUG_INTEGRITY=1``, so the engine checks its KV block bookkeeping whenever it
+goes idle and dies loudly on a mismatch; tests that stress it finish by asserting
+``/health`` is still 200.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key-ferry"
+START_TIMEOUT_S = 180.0
+_READY = re.compile(r"^ferry: serving (\S+) on (http://\S+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Server:
+    base_url: str  # http://127.0.0.1:PORT
+    model: str
+    api_key: str
+    log_path: Path
+    process: subprocess.Popen
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes ``ferry serve`` started (its children)."""
+        path = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        return [int(pid) for pid in path.read_text().split()]
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+def _ferry_command() -> list[str]:
+    script = Path(sys.executable).parent / "ferry"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+
+
+def _wait_ready(proc: subprocess.Popen, log_path: Path) -> tuple[str, str]:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        match = _READY.search(log_path.read_text(errors="replace"))
+        if match:
+            return match.group(1), match.group(2)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.25)
+    proc.kill()
+    tail = log_path.read_text(errors="replace")[-4000:]
+    raise RuntimeError(f"ferry serve did not become ready (exit {proc.poll()}):\n{tail}")
+
+
+def _wait_healthy(base_url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError("ferry serve announced itself but /health never returned 200")
+
+
+@contextlib.contextmanager
+def run_server(log_path: Path, *flags: str) -> Iterator[Server]:
+    """``ferry serve --port 0 --api-key ... <flags>`` until the block exits."""
+    env = {**os.environ, "FERRY_DEBUG_INTEGRITY": "1"}
+    env.pop("FERRY_API_KEY", None)
+    command = [*_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        model, base_url = _wait_ready(proc, log_path)
+        _wait_healthy(base_url)
+        yield Server(base_url, model, API_KEY, log_path, proc)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The default model. One torch thread: the test client and the HTTP server need the
+    other core, and OpenMP threads that spin on a busy 2-core machine cost 4x."""
+    with run_server(tmp_path_factory.mktemp("ferry-serve") / "serve.log", "--threads", "1") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def doomed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A server of its own, with the random-weight ``dummy:tiny`` model, for tests that
+    kill its engine."""
+    log_path = tmp_path_factory.mktemp("ferry-doomed") / "serve.log"
+    with run_server(log_path, "--model", "dummy:tiny", "--threads", "1") as s:
+        yield s

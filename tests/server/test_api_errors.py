@@ -1,0 +1,135 @@
+"""Each bad request gets its status and an OpenAI-shaped error body from a real server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def http(server) -> httpx.Client:
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=60) as client:
+        yield client
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def test_invalid_json_is_400(http):
+    response = http.post("/v1/chat/completions", content=b'{"messages": [',
+                         headers={"Content-Type": "application/json"})  # fmt: skip
+    error = _error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"]
+
+
+def test_schema_violation_is_400_not_422(http):
+    error = _error(http.post("/v1/chat/completions", json={"messages": "hello"}), 400)
+    assert error["param"] == "messages"
+
+
+def test_unknown_model_is_404_model_not_found(http):
+    response = http.post("/v1/chat/completions", json={"model": "gpt-17", "messages": QUESTION})
+    error = _error(response, 404)
+    assert error["code"] == "model_not_found"
+    assert "gpt-17" in error["message"]
+    _error(http.get("/v1/models/gpt-17"), 404)
+
+
+def test_context_overflow_is_400_with_the_numbers(http):
+    response = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 9000})
+    error = _error(response, 400)
+    message = error["message"]
+    assert "maximum context length is 8192 tokens" in message
+    assert "9000 in the completion" in message
+    prompt_tokens = int(message.split("tokens (")[1].split(" in the prompt")[0])
+    assert f"you requested {prompt_tokens + 9000} tokens" in message
+
+
+def test_chat_context_overflow_counts_the_messages(http):
+    response = http.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 8192})
+    message = _error(response, 400)["message"]
+    assert "in the messages, 8192 in the completion" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("temperature", 5, "temperature"),
+        ("top_p", 0, "top_p"),
+        ("top_logprobs", 50, "top_logprobs"),
+        ("n", 0, "n"),
+        ("n", 1000, "n"),
+        ("presence_penalty", 3, "presence_penalty"),
+        ("logit_bias", {"not-a-token": 1}, "logit_bias"),
+        ("logit_bias", {"99999999": 1}, "99999999"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop"),
+        ("max_tokens", 0, "max_tokens"),
+    ],
+)
+def test_out_of_range_sampling_values_are_400(http, field, value, needle):
+    body = {"messages": QUESTION, "max_tokens": 4, field: value}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    error = _error(http.post("/v1/chat/completions", json=body), 400)
+    assert needle in error["message"] or error["param"] == field
+
+
+def test_empty_messages_is_400(http):
+    error = _error(http.post("/v1/chat/completions", json={"messages": []}), 400)
+    assert error["param"] == "messages"
+
+
+def test_empty_and_out_of_vocabulary_prompts_are_400(http):
+    _error(http.post("/v1/completions", json={"prompt": []}), 400)
+    _error(http.post("/v1/completions", json={"prompt": [[]]}), 400)
+    error = _error(http.post("/v1/completions", json={"prompt": [1, 10_000_000]}), 400)
+    assert "10000000" in error["message"]
+
+
+def test_suffix_is_400(http):
+    error = _error(http.post("/v1/completions", json={"prompt": "x", "suffix": "y"}), 400)
+    assert error["param"] == "suffix"
+
+
+def test_image_parts_are_400(http):
+    content = [{"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}]
+    body = {"messages": [{"role": "user", "content": content}]}
+    error = _error(http.post("/v1/chat/completions", json=body), 400)
+    assert "image_url" in error["message"]
+
+
+def test_unknown_fields_are_ignored(http):
+    body = {"messages": QUESTION, "max_tokens": 2, "frobnicate": True, "temperature": 0}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_missing_or_wrong_api_key_is_401(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": server.api_key}):
+        response = httpx.post(f"{server.v1}/chat/completions", headers=headers,
+                              json={"messages": QUESTION})  # fmt: skip
+        error = _error(response, 401)
+        assert error["type"] == "authentication_error"
+    _error(httpx.get(f"{server.v1}/models"), 401)
+
+
+def test_health_and_metrics_need_no_key(server):
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    metrics = httpx.get(f"{server.base_url}/metrics")
+    assert metrics.status_code == 200
+    assert "ferry_kv_blocks_total" in metrics.text
+
+
+def test_unknown_route_is_404_in_openai_shape(http):
+    _error(http.get("/v1/nothing-here"), 404)

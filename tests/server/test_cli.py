@@ -1,0 +1,82 @@
+"""``ferry serve`` flags → frozen configs; the subcommand registry; TCP_NODELAY on sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+
+import pytest
+import uvicorn
+
+from engine.config import EngineConfig
+from server import serve
+from server.cli import SUBCOMMANDS, build_parser
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_come_from_the_config_dataclasses():
+    args = parse()
+    assert serve.engine_config(args) == EngineConfig(model="default")
+    config = serve.server_config(args)
+    assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
+
+
+def test_flags_build_a_frozen_engine_config():
+    args = parse(
+        "--model", "dummy:tiny", "--max-model-len", "512", "--block-size", "32",
+        "--kv-cache-memory-gb", "0.5", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+        "--seed", "3", "--threads", "2", "--served-model-name", "tiny",
+    )  # fmt: skip
+    config = serve.engine_config(args)
+    assert config.model == "dummy:tiny" and config.seed == 3 and config.num_threads == 2
+    assert (config.cache.block_size, config.cache.memory_gb) == (32, 0.5)
+    assert config.scheduler.max_model_len == 512
+    assert (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (8, 256)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 4  # type: ignore[misc]
+    assert serve.server_config(args).served_model_name == "tiny"
+
+
+def test_api_key_from_flag_or_environment(monkeypatch):
+    monkeypatch.setenv("FERRY_API_KEY", "from-env")
+    assert serve.server_config(parse()).api_key == "from-env"
+    assert serve.server_config(parse("--api-key", "flag")).api_key == "flag"
+    monkeypatch.delenv("FERRY_API_KEY")
+    assert serve.server_config(parse()).api_key is None
+
+
+def test_every_registered_subcommand_parses():
+    parser = build_parser()
+    for name in SUBCOMMANDS:
+        assert callable(parser.parse_args([name]).run)
+
+
+async def test_uvicorn_sockets_have_tcp_nodelay():
+    """Small SSE chunks must not wait for Nagle: asyncio sets TCP_NODELAY on accepted sockets."""
+    seen: list[int] = []
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    await reader.readuntil(b"ok")
+    for connection in server.server_state.connections:
+        sock = connection.transport.get_extra_info("socket")
+        seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    writer.close()
+    server.should_exit = True
+    await task
+    assert seen and all(seen)

@@ -1,0 +1,92 @@
+"""Request schemas: what validates, what is rejected, and what responses look like."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from server.errors import validation_error
+from server.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    CompletionRequest,
+    OtherPart,
+    TextPart,
+)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def test_stop_accepts_a_string_or_up_to_four_and_drops_empty_ones():
+    assert ChatCompletionRequest(messages=MESSAGES, stop="x").stop_strings == ["x"]
+    assert ChatCompletionRequest(messages=MESSAGES, stop=["a", ""]).stop_strings == ["a"]
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=MESSAGES, stop=list("abcde"))
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    req = ChatCompletionRequest(messages=MESSAGES, max_tokens=5, max_completion_tokens=3)
+    assert req.max_new_tokens == 3
+    assert ChatCompletionRequest(messages=MESSAGES).max_new_tokens is None
+    assert CompletionRequest(prompt="x").max_new_tokens == 16
+
+
+def test_logprobs_fields_map_to_the_engine_count():
+    assert ChatCompletionRequest(messages=MESSAGES).num_logprobs is None
+    assert ChatCompletionRequest(messages=MESSAGES, logprobs=True).num_logprobs == 0
+    req = ChatCompletionRequest(messages=MESSAGES, logprobs=True, top_logprobs=3)
+    assert req.num_logprobs == 3
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=MESSAGES, top_logprobs=3)
+    assert CompletionRequest(prompt="x", logprobs=2).num_logprobs == 2
+
+
+def test_content_parts_text_and_others():
+    msg = ChatCompletionRequest(
+        messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                               {"type": "image_url", "image_url": {}}]}]
+    ).messages[0]  # fmt: skip
+    assert isinstance(msg.content[0], TextPart) and isinstance(msg.content[1], OtherPart)
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completion_prompt_shapes(prompt):
+    assert CompletionRequest(prompt=prompt).prompt == prompt
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [[1], []]])
+def test_empty_prompts_are_rejected(prompt):
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt=prompt)
+
+
+def test_logit_bias_keys_must_be_token_ids():
+    assert ChatCompletionRequest(messages=MESSAGES, logit_bias={"42": 1.0}).logit_bias
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(messages=MESSAGES, logit_bias={"the": 1.0})
+    error = validation_error(info.value.errors())
+    assert error.status == 400 and error.param == "logit_bias"
+
+
+def test_unknown_fields_are_ignored_and_n_is_bounded():
+    assert ChatCompletionRequest(messages=MESSAGES, frobnicate=1).n == 1
+    for n in (0, 129):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(messages=MESSAGES, n=n)
+
+
+def test_finishing_chunk_has_an_empty_delta_and_null_fields():
+    chunk = ChatCompletionChunk(
+        id="chatcmpl-1", created=1, model="m",
+        choices=[ChatChunkChoice(index=0, delta=ChatDelta(), finish_reason="stop")],
+    )  # fmt: skip
+    body = json.loads(chunk.model_dump_json(exclude={"usage"}))
+    assert body["object"] == "chat.completion.chunk"
+    assert body["choices"][0] == {
+        "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"
+    }  # fmt: skip
+    assert "usage" not in body
