@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import time
 
@@ -42,6 +43,8 @@ from engine.scheduler import Scheduler
 from kvstore.hashing import extra_keys
 
 log = logging.getLogger("ferry.engine")
+
+_IDLE_POLL_MS = 1000
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -164,10 +167,14 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> None:
 
 def _loop(core: EngineCore, inbox, outbox) -> None:
     check = envs.DEBUG_INTEGRITY.get()
+    parent = os.getppid()
     while True:
         errors: list[RequestOutput] = []
-        timeout = 0 if core.has_work else None
-        while inbox.poll(timeout):
+        if not core.has_work and not inbox.poll(_IDLE_POLL_MS):
+            if os.getppid() != parent:  # the frontend died without telling us
+                return
+            continue
+        while inbox.poll(0):
             msg = decode_input(inbox.recv())
             if isinstance(msg, Shutdown):
                 return
@@ -177,7 +184,6 @@ def _loop(core: EngineCore, inbox, outbox) -> None:
                 err = core.add_request(msg)
                 if err is not None:
                     errors.append(err)
-            timeout = 0
         outputs = errors + (core.step() if core.has_work else [])
         outbox.send(encode(EngineOutputs(outputs, core.scheduler.stats(), time.time())))
         if check and not core.has_work:
