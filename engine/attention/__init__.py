@@ -1,11 +1,16 @@
-"""Attention backends, chosen by device. CUDA kernels register here when present."""
+"""Attention backends, chosen by device: TileLang kernels on CUDA, torch SDPA elsewhere."""
 
 from __future__ import annotations
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.attention.tilelang_backend import TileLangBackend
 from engine.attention.torch_sdpa import TorchSDPABackend
+from kernels._tl import kernels_usable
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchSDPABackend}
+_BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchSDPABackend,
+    "tilelang": TileLangBackend,
+}
 
 
 def register_backend(name: str, cls: type[AttentionBackend]) -> None:
@@ -13,8 +18,9 @@ def register_backend(name: str, cls: type[AttentionBackend]) -> None:
 
 
 def backend_for(device: str, name: str = "auto") -> type[AttentionBackend]:
+    """The backend called ``name``; ``auto`` picks TileLang where its kernels can run."""
     if name == "auto":
-        name = "torch"
+        name = "tilelang" if kernels_usable(device) else "torch"
     return _BACKENDS[name]
 
 

@@ -1,0 +1,19 @@
+"""TileLang kernels, each in its own module beside a torch reference.
+
+Every module holds three things: a ``@tilelang.jit`` factory that builds the kernel for
+one static configuration, a torch reference that runs on any device (CPU included), and
+a wrapper that checks shapes, dtypes and strides at the boundary and caches the compiled
+kernel per configuration. Importing this package never imports TileLang; the wrappers
+import it on first use, so CPU-only machines can use the references.
+
+- ``paged_decode_attention``: one query token per sequence over the paged KV cache, GQA,
+  split-K (flash-decoding) with a combine step.
+- ``prefill_attention``: varlen causal flash attention over the paged KV cache (chunked
+  prefill, cached prefixes).
+- ``norm_rope_cache``: fused residual add + RMSNorm, rotary embedding in place, and the
+  KV-cache write by slot mapping.
+"""
+
+from kernels._tl import tilelang_available
+
+__all__ = ["tilelang_available"]

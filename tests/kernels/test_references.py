@@ -1,0 +1,204 @@
+"""The kernels' torch references against straightforward math, on the CPU (CI runs these).
+
+Each reference is what a CUDA kernel is checked against, so each must itself agree with
+an independent statement of the function: dense attention over unpaged contexts, the
+engine's own torch attention backend, a rotation written with complex numbers, a cache
+write done token by token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_cases import dense_attention, make_problem, rel_error
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_sdpa import TorchSDPABackend
+from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kernels.norm_rope_cache import (
+    rms_norm_ref,
+    rotary_embedding_ref,
+    write_kv_cache_ref,
+)
+from kernels.paged_decode_attention import choose_num_splits, paged_decode_attention_ref
+from kernels.prefill_attention import prefill_attention_ref
+
+SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
+    (4, 4, 64, 16),
+    (9, 3, 64, 16),
+    (8, 2, 128, 128),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", SHAPES)
+def test_decode_reference_matches_dense_attention(heads, kv_heads, dim, block_size):
+    lens = [1, 17, block_size, 3 * block_size + 5, 0]
+    p = make_problem(
+        lens,
+        [1] * len(lens),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=1,
+    )
+    out = paged_decode_attention_ref(
+        p.q, p.kv_cache, p.block_tables, p.seq_lens, num_kv_heads=kv_heads, scale=p.scale
+    )
+    ref = dense_attention(p)
+    ref[-1] = 0  # an empty context attends to nothing: the reference returns zeros
+    assert out.dtype == torch.float32
+    assert rel_error(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", SHAPES)
+def test_prefill_reference_matches_dense_attention(heads, kv_heads, dim, block_size):
+    # a fresh prompt, a chunk after a cached prefix, a decode row, an empty chunk
+    lens, q_lens = [23, 2 * block_size + 9, 40, 7], [23, block_size + 2, 1, 0]
+    p = make_problem(
+        lens,
+        q_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=2,
+    )
+    out = prefill_attention_ref(
+        p.q,
+        p.kv_cache,
+        p.block_tables,
+        p.seq_lens,
+        p.query_start_loc,
+        num_kv_heads=kv_heads,
+        scale=p.scale,
+    )
+    assert rel_error(out, dense_attention(p)) < 1e-5
+
+
+def _metadata(p) -> AttentionMetadata:
+    q_lens, lens = p.query_lens, p.seq_lens.tolist()
+    slots = []
+    for b, (q_len, length) in enumerate(zip(q_lens, lens)):
+        for pos in range(length - q_len, length):
+            block = int(p.block_tables[b, pos // p.kv_cache.shape[1]])
+            slots.append(block * p.kv_cache.shape[1] + pos % p.kv_cache.shape[1])
+    return AttentionMetadata(
+        query_start_loc=p.query_start_loc,
+        seq_lens=p.seq_lens,
+        block_tables=p.block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(q_lens),
+        max_seq_len=max(lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=lens,
+    )
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_references_agree_with_the_engine_backend(decode):
+    """Same cache, same metadata: the engine's CPU path and the references agree."""
+    heads, kv_heads, dim, block_size = 6, 2, 64, 16
+    lens = [5, 40, 33]
+    q_lens = [1, 1, 1] if decode else [5, 9, 1]
+    p = make_problem(
+        lens,
+        q_lens,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        seed=3,
+    )
+    layout = KVCacheLayout.for_attention(1, kv_heads, dim, block_size, torch.float32)
+    cache = KVCache(layout, p.kv_cache.shape[0], "cpu")
+    cache.layers[0].copy_(p.kv_cache)
+    meta = _metadata(p)
+    new_kv = p.kv_cache.view(-1, p.kv_cache.shape[-1])[meta.slot_mapping]
+    k, v = new_kv.chunk(2, dim=-1)
+    backend = TorchSDPABackend(cache, heads, kv_heads, dim, p.scale)
+    engine_out = backend.forward(
+        0, p.q, k.unflatten(-1, (kv_heads, dim)), v.unflatten(-1, (kv_heads, dim)), meta
+    )
+    if decode:
+        ref = paged_decode_attention_ref(
+            p.q, p.kv_cache, p.block_tables, p.seq_lens, num_kv_heads=kv_heads, scale=p.scale
+        )
+    else:
+        ref = prefill_attention_ref(
+            p.q,
+            p.kv_cache,
+            p.block_tables,
+            p.seq_lens,
+            p.query_start_loc,
+            num_kv_heads=kv_heads,
+            scale=p.scale,
+        )
+    assert rel_error(engine_out, ref) < 1e-5
+
+
+def test_num_splits_fill_the_gpu_and_never_exceed_the_tiles():
+    assert choose_num_splits(1, 8, 8192, 64) == 33
+    assert choose_num_splits(1, 8, 100, 64) == 2
+    assert choose_num_splits(256, 8, 8192, 64) == 1
+    assert choose_num_splits(4, 8, 1 << 20, 64) == 9
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_reference(residual):
+    torch.manual_seed(4)
+    x, r, w = torch.randn(5, 96), torch.randn(5, 96), torch.randn(96)
+    out, z = rms_norm_ref(x, w, 1e-6, r if residual else None)
+    expect_z = x + r if residual else x
+    rms = expect_z.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    assert torch.allclose(z, expect_z)
+    assert torch.allclose(out, expect_z / rms * w, atol=1e-5)
+
+
+def test_rotary_reference_is_a_complex_rotation():
+    torch.manual_seed(5)
+    num_tokens, heads, kv_heads, dim = 7, 4, 2, 64
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+    angles = torch.arange(50).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    positions = torch.randint(0, 50, (num_tokens,))
+    q, k = torch.randn(num_tokens, heads, dim), torch.randn(num_tokens, kv_heads, dim)
+    q_rot, k_rot = rotary_embedding_ref(positions, q, k, cos_sin)
+
+    def by_complex(x: torch.Tensor) -> torch.Tensor:
+        z = torch.complex(x[..., : dim // 2], x[..., dim // 2 :])
+        z = z * torch.polar(torch.ones_like(angles[positions]), angles[positions])[:, None]
+        return torch.cat((z.real, z.imag), dim=-1)
+
+    assert torch.allclose(q_rot, by_complex(q), atol=1e-5)
+    assert torch.allclose(k_rot, by_complex(k), atol=1e-5)
+
+
+def test_kv_cache_write_reference_places_each_token():
+    torch.manual_seed(6)
+    kv_heads, dim, block_size, num_blocks = 2, 8, 4, 5
+    cache = torch.zeros(num_blocks, block_size, 2 * kv_heads * dim)
+    slots = torch.tensor([5, 0, 19, -1, 9])
+    k, v = torch.randn(5, kv_heads, dim), torch.randn(5, kv_heads, dim)
+    write_kv_cache_ref(k, v, cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        row = cache[slot // block_size, slot % block_size]
+        assert torch.equal(row[: kv_heads * dim], k[t].flatten())
+        assert torch.equal(row[kv_heads * dim :], v[t].flatten())
+    assert int((cache.abs().sum(-1) != 0).sum()) == 4
+
+
+def test_make_problem_never_uses_the_null_block():
+    p = make_problem(
+        [5, 33], [1, 1], num_heads=2, num_kv_heads=1, head_dim=8, block_size=16, seed=7
+    )
+    used = p.block_tables[p.block_tables != 0]
+    assert used.numel() == math.ceil(5 / 16) + math.ceil(33 / 16)
+    assert len(set(used.tolist())) == used.numel()
