@@ -66,7 +66,7 @@ class EngineCore:
         self.kv_cache = KVCache(layout, cache_cfg.num_blocks, config.device)
         mc = loaded.config
         backend = backend_for(config.device)(
-            self.kv_cache, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.head_dim**-0.5
+            self.kv_cache, mc.num_heads, mc.num_kv_heads, mc.head_dim, loaded.model.attention_scale
         )
         pool = BlockPool(cache_cfg.num_blocks, cache_cfg.enable_prefix_caching)
         self.kv = KVCacheManager(pool, cache_cfg.block_size)

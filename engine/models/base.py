@@ -24,14 +24,25 @@ class CausalLM(nn.Module, ABC):
     config: ModelConfig
 
     @abstractmethod
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor: ...
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take weights named as Hugging Face names them (``model.layers.0.self_attn.q_proj.weight``)."""
+        """Take weights under Hugging Face's names (``model.layers.0.self_attn.q_proj.weight``)."""
+
+    @abstractmethod
+    def init_random_weights(self, seed: int = 0) -> None:
+        """Fill every parameter in place with random values (dummy weights for benchmarks)."""
 
     @abstractmethod
     def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVCacheLayout: ...
+
+    @property
+    @abstractmethod
+    def attention_scale(self) -> float:
+        """Softmax scale the attention backend must use."""

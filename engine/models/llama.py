@@ -1,0 +1,306 @@
+"""The Llama family: SmolLM2, Llama 3, Qwen2, Qwen3 (dense), one implementation.
+
+Switches come from ``ModelConfig``: ``attention_bias`` (Qwen2's q/k/v bias), ``qk_norm``
+(Qwen3's per-head RMSNorm on q and k before RoPE), ``tie_word_embeddings`` and
+``rope_scaling`` (``kind="llama3"``). q/k/v share one projection and gate/up another;
+``load_weights`` fuses Hugging Face's separate tensors into them. RoPE is the
+rotate-half (NeoX / Hugging Face) form with a precomputed cos/sin table. Attention goes
+through ``ctx.attention``; the model never sees the KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import ForwardContext
+from engine.config import ModelConfig, RopeScaling
+from engine.kv_cache.layout import KVCacheLayout
+from engine.models.base import CausalLM
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without the random init: weights are loaded or filled afterwards."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without the random init: weights are loaded or filled afterwards."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, with llama3 scaling when asked."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling.kind == "none":
+        return inv_freq
+    if scaling.kind != "llama3":
+        raise NotImplementedError(f"rope scaling {scaling.kind!r}")
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin table [max_positions, head_dim] (cos half then sin half), float32.
+
+    ``freq_factors`` (llama.cpp's ``rope_freqs``), when loaded, divide the frequencies.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.freq_factors: torch.Tensor | None = None
+        self.register_buffer("cos_sin", torch.empty(max_positions, head_dim), persistent=False)
+
+    def reset_cache(self) -> None:
+        """(Re)compute the table on the buffer's device; call after moving or loading."""
+        device = self.cos_sin.device
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        if self.freq_factors is not None:
+            inv_freq = inv_freq / self.freq_factors.to(device, torch.float32)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T]."""
+        cos, sin = self.cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary = [rotary]  # shared, kept out of this module's parameters and buffers
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = ctx.attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, ctx)
+        return self.norm(hidden)
+
+
+# HF name suffix → (fused parameter suffix, shard index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama-family decoder; parameter names mirror Hugging Face's except the fused ones
+    (``self_attn.qkv_proj``, ``mlp.gate_up_proj``).
+
+    Build with ``engine.models.build_model`` (allocates on the target device without a
+    random init), then ``load_weights`` or ``init_random_weights``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale the attention backend must use."""
+        return self.config.head_dim**-0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
+        cfg = self.config
+        return KVCacheLayout.for_attention(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype
+        )
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def _shard(self, name: str) -> tuple[str, slice | None]:
+        """Parameter name and row slice that HF tensor ``name`` fills."""
+        for hf, (fused, index) in _FUSED.items():
+            marker = f".{hf}."
+            if marker in name:
+                target = name.replace(marker, f".{fused}.")
+                return target, self._fused_rows(hf, index)
+        return name, None
+
+    def _fused_rows(self, hf: str, index: int) -> slice:
+        cfg = self.config
+        if hf.startswith("mlp."):
+            sizes = [cfg.intermediate_size] * 2
+        else:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            sizes = [q, kv, kv]
+        start = sum(sizes[:index])
+        return slice(start, start + sizes[index])
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (any dtype/device; converted). Raises ``KeyError`` for a
+        name the model does not have and ``ValueError`` if a parameter stays unset.
+        ``lm_head.weight`` is ignored when embeddings are tied."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            if name == "model.rotary_emb.freq_factors":
+                self.model.rotary_emb.freq_factors = tensor.float().clone()
+                self.model.rotary_emb.reset_cache()
+                continue
+            target, rows = self._shard(name)
+            if target not in params:
+                raise KeyError(f"unexpected weight {name!r}")
+            dest = params[target].data if rows is None else params[target].data[rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        if missing:
+            more = "..." if len(missing) > 8 else ""
+            raise ValueError(f"weights not loaded: {missing[:8]}{more}")
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Fill every parameter in place on its device: norms 1, biases 0, others N(0, std)."""
+        generator = torch.Generator(device=self.model.embed_tokens.weight.device)
+        generator.manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)

@@ -1,0 +1,136 @@
+"""Shared test utilities (importable as ``helpers``: tests/ is on sys.path via conftest).
+
+Runs a model over one sequence through the paged KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import AttentionMetadata, ForwardContext
+from engine.attention.torch_sdpa import TorchSDPABackend
+from engine.kv_cache.layout import KVCache
+from engine.models.base import CausalLM
+
+
+def single_sequence_metadata(
+    start: int, num_new: int, block_table: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """Metadata for one sequence whose tokens ``start:start+num_new`` are new this step."""
+    seq_len = start + num_new
+    device = block_table.device
+    positions = torch.arange(start, seq_len, device=device)
+    slots = block_table[positions // block_size].long() * block_size + positions % block_size
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_new], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+        block_tables=block_table[None, :].to(torch.int32),
+        slot_mapping=slots,
+        max_query_len=num_new,
+        max_seq_len=seq_len,
+        query_lens_cpu=[num_new],
+        seq_lens_cpu=[seq_len],
+    )
+
+
+class SequenceRunner:
+    """Runs one sequence step by step through a fresh paged KV cache.
+
+    Blocks are handed out in reverse order so the block table is not the identity.
+    """
+
+    def __init__(self, model: CausalLM, max_tokens: int, block_size: int = 16) -> None:
+        param = next(model.parameters())
+        self.model = model
+        self.device = param.device
+        self.block_size = block_size
+        num_blocks = -(-max_tokens // block_size)
+        cache = KVCache(model.kv_layout(block_size, param.dtype), num_blocks + 1, self.device)
+        cfg = model.config
+        self.backend = TorchSDPABackend(
+            cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
+        )
+        self.block_table = torch.arange(num_blocks, 0, -1, dtype=torch.int32, device=self.device)
+        self.num_cached = 0
+
+    @torch.no_grad()
+    def step(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Feed the next tokens; returns their float32 logits [len(token_ids), vocab]."""
+        start, size = self.num_cached, len(token_ids)
+        meta = single_sequence_metadata(start, size, self.block_table, self.block_size)
+        ctx = ForwardContext(meta=meta, backend=self.backend)
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + size, device=self.device)
+        hidden = self.model(ids, positions, ctx)
+        self.num_cached += size
+        return self.model.compute_logits(hidden)
+
+
+def forward_tokens(
+    model: CausalLM,
+    token_ids: Sequence[int],
+    chunk_sizes: Sequence[int] | None = None,
+    block_size: int = 16,
+) -> torch.Tensor:
+    """Logits [len(token_ids), vocab] (float32) of one sequence run in chunks.
+
+    ``chunk_sizes`` split the prompt into steps (default: one step); each step writes its
+    k/v into the paged cache and attends over the cached prefix.
+    """
+    chunk_sizes = list(chunk_sizes or [len(token_ids)])
+    if sum(chunk_sizes) != len(token_ids):
+        raise ValueError("chunk_sizes must add up to the number of tokens")
+    runner = SequenceRunner(model, len(token_ids), block_size)
+    outputs, start = [], 0
+    for size in chunk_sizes:
+        outputs.append(runner.step(token_ids[start : start + size]))
+        start += size
+    return torch.cat(outputs)
+
+
+def greedy_generate(
+    model: CausalLM, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
+) -> list[int]:
+    """Greedy continuation of ``prompt_ids`` (prefill once, then one token per step)."""
+    runner = SequenceRunner(model, len(prompt_ids) + max_new_tokens)
+    logits = runner.step(prompt_ids)
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        token = int(logits[-1].argmax())
+        out.append(token)
+        if token in stop_ids:
+            break
+        logits = runner.step([token])
+    return out
+
+
+def hf_named_weights(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """A Llama-family model's parameters under Hugging Face names (fused q/k/v and
+    gate/up split back into their parts)."""
+    cfg = model.config
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, param in model.named_parameters():
+        if ".qkv_proj." in name:
+            for part, chunk in zip("qkv", param.split([q, kv, kv]), strict=True):
+                yield name.replace(".qkv_proj.", f".{part}_proj."), chunk
+        elif ".gate_up_proj." in name:
+            for part, chunk in zip(("gate", "up"), param.chunk(2), strict=True):
+                yield name.replace(".gate_up_proj.", f".{part}_proj."), chunk
+        else:
+            yield name, param
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+def default_gguf() -> Path:
+    """The default model's GGUF file."""
+    from engine.loader import default_model_path
+
+    return default_model_path()
