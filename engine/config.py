@@ -63,7 +63,12 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict (Llama, Qwen2, Qwen3)."""
+        """Build from a Hugging Face ``config.json`` dict (Llama, Qwen2, Qwen3).
+
+        Null entries count as absent (transformers 5 writes ``"attention_bias": null``
+        for Qwen2, which always has the bias, and may keep rope theta only under
+        ``rope_parameters``)."""
+        cfg = {k: v for k, v in cfg.items() if v is not None}
         model_type = cfg.get("model_type", "llama")
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}

@@ -17,15 +17,7 @@ logger = logging.getLogger(__name__)
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
-    """``config.json`` with null entries dropped and Qwen2's implied q/k/v bias made explicit."""
-    raw = json.loads((path / "config.json").read_text())
-    cfg = {k: v for k, v in raw.items() if v is not None}
-    if cfg.get("model_type") == "qwen2":
-        cfg.setdefault("attention_bias", True)
-    rope = cfg.get("rope_parameters") or {}
-    if "rope_theta" not in cfg and "rope_theta" in rope:
-        cfg["rope_theta"] = rope["rope_theta"]
-    return cfg
+    return json.loads((path / "config.json").read_text())
 
 
 def hf_model_config(path: Path, name: str) -> ModelConfig:

@@ -1,6 +1,6 @@
 """GPU kernel micro-benchmark: each TileLang kernel checked, then timed, beside torch.
 
-    python bench/kernels.py [--out DIR] [--jobs N] [--quick]
+    python bench/kernel_speed.py [--out DIR] [--jobs N] [--quick]
 
 On a CUDA machine with TileLang (see ../shared/gpu/README.md for the bundle). For each
 kernel: compare against its torch reference on fresh random inputs (relative error in
