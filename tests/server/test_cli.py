@@ -49,10 +49,13 @@ def test_api_key_from_flag_or_environment(monkeypatch):
     assert serve.server_config(parse()).api_key is None
 
 
+MINIMAL_ARGS = {"bench": ["--url", "http://127.0.0.1:1", "--out", "x.json", "--concurrency", "1"]}
+
+
 def test_every_registered_subcommand_parses():
     parser = build_parser()
     for name in SUBCOMMANDS:
-        assert callable(parser.parse_args([name]).run)
+        assert callable(parser.parse_args([name, *MINIMAL_ARGS.get(name, [])]).run)
 
 
 async def test_uvicorn_sockets_have_tcp_nodelay():
