@@ -73,15 +73,28 @@ class KVCache:
     Block 0 is the null block: never handed out, it absorbs writes of padded slots.
     """
 
-    def __init__(self, layout: KVCacheLayout, num_blocks: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        device: torch.device | str,
+        storage: torch.Tensor | None = None,
+    ) -> None:
+        """``storage``: a zeroed ``[num_layers, num_blocks, block_size, token_width]`` tensor
+        to live in (e.g. shared memory a KV transport writes into); allocated if absent."""
         self.layout = layout
         self.num_blocks = num_blocks
-        self.layers = [
-            torch.zeros(
-                num_blocks, layout.block_size, layout.token_width, dtype=layout.dtype, device=device
-            )
-            for _ in range(layout.num_layers)
-        ]
+        if storage is None:
+            storage = torch.zeros(self.shape, dtype=layout.dtype, device=device)
+        if tuple(storage.shape) != self.shape or storage.dtype != layout.dtype:
+            raise ValueError(f"KV storage {tuple(storage.shape)} does not match {self.shape}")
+        self.storage = storage
+        self.layers = list(storage.unbind(0))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        lay = self.layout
+        return (lay.num_layers, self.num_blocks, lay.block_size, lay.token_width)
 
     def component(self, layer: int, name: str) -> torch.Tensor:
         """View ``[num_blocks, block_size, *shape]`` of one component of one layer."""

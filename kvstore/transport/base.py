@@ -1,0 +1,131 @@
+"""The KV transport contract: move blocks from one process's KV cache into another's.
+
+A transport moves *blocks*, whatever they hold. It never looks inside one: a block is one
+contiguous byte run per layer (``KVCacheLayout``: each layer is a tensor
+``[num_blocks, block_size, token_width]``), so K/V heads and an MLA latent travel alike.
+
+The receiving side (a decode worker) allocates its cache through
+``KVTransport.allocate_cache`` (a backend may need it somewhere special, e.g. shared
+memory), opens a ``KVReceiver`` on it and hands its ``endpoint`` to peers. Before a peer
+writes, the receiver is told which destination blocks a transfer may fill
+(``expect``); ``forget`` withdraws that, after which writes for it are refused where the
+backend can refuse them. The sending side (a prefill worker) opens a ``KVSender`` on its
+own cache and calls ``send``: layer by layer (or in chunks), source block ``src[i]`` of
+every layer lands in destination block ``dst[i]``. ``send`` returns only once every byte
+is in place at the destination, and raises ``TransferError`` on corruption, peer death
+or timeout; then the destination blocks hold garbage and must not be used.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from engine.kv_cache.layout import KVCache, KVCacheLayout
+
+
+class TransferError(RuntimeError):
+    """A transfer did not complete: the destination blocks are not to be trusted."""
+
+
+class KVEndpoint(msgspec.Struct, frozen=True):
+    """Where a receiver listens, as peers need to know it (travels in messages)."""
+
+    backend: str
+    address: str  # shm: path of the shared segment; tcp / nccl: host:port
+    layout: str  # layout_signature() of the receiving cache
+    num_blocks: int
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+
+
+def layout_signature(cache: KVCache) -> str:
+    """Layer count, block size, token width and dtype: what both ends must agree on."""
+    layers, _, size, width = cache.shape
+    return f"{layers}x{size}x{width}:{str(cache.layout.dtype).removeprefix('torch.')}"
+
+
+def check_layout(cache: KVCache, endpoint: KVEndpoint) -> None:
+    if endpoint.layout != layout_signature(cache):
+        raise TransferError(
+            f"KV layout mismatch: receiver {endpoint.layout}, sender {layout_signature(cache)}"
+        )
+
+
+def block_bytes(layout: KVCacheLayout) -> int:
+    """Bytes of one block in one layer."""
+    return layout.bytes_per_block // layout.num_layers
+
+
+def check_ids(src: list[int], dst: list[int], num_blocks: int) -> None:
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destinations")
+    if any(not 0 < b < num_blocks for b in dst):
+        raise TransferError(f"destination block ids out of range 1..{num_blocks - 1}")
+
+
+class KVReceiver(ABC):
+    endpoint: KVEndpoint
+
+    @abstractmethod
+    def expect(self, transfer_id: str, dst_block_ids: list[int]) -> None:
+        """Allow ``transfer_id`` to write into ``dst_block_ids``."""
+
+    @abstractmethod
+    def forget(self, transfer_id: str) -> None:
+        """Withdraw ``expect``: later writes for ``transfer_id`` are dropped if possible."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class KVSender(ABC):
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    @abstractmethod
+    def send(
+        self,
+        endpoint: KVEndpoint,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        timeout: float = 30.0,
+    ) -> TransferStats:
+        """Copy blocks ``src[i]`` → ``dst[i]`` of every layer; see the module docstring."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def _stats(self, n: int, started: float) -> TransferStats:
+        nbytes = n * block_bytes(self.cache.layout) * self.cache.layout.num_layers
+        return TransferStats(n, nbytes, time.perf_counter() - started)
+
+
+class KVTransport(ABC):
+    """A backend: how the receiving cache is allocated, and its two ends."""
+
+    name: ClassVar[str]
+
+    def allocate_cache(
+        self, layout: KVCacheLayout, num_blocks: int, device: torch.device | str
+    ) -> KVCache:
+        """The receiving side's cache (plain memory unless the backend needs otherwise)."""
+        return KVCache(layout, num_blocks, device)
+
+    @abstractmethod
+    def receiver(self, cache: KVCache, host: str = "127.0.0.1") -> KVReceiver: ...
+
+    @abstractmethod
+    def sender(self, cache: KVCache) -> KVSender: ...

@@ -1,0 +1,290 @@
+"""TCP transport (any host): framed, checksummed, back-pressured, TCP_NODELAY.
+
+One connection per sender/receiver pair, one transfer at a time on it. A transfer is one
+``DATA`` frame per layer, then ``END``; the receiver answers ``ACK`` once every layer is
+in place or ``NACK`` with the reason. Each frame carries the destination block ids and
+an xxh3-64 checksum over ids and payload; the receiver verifies it before writing into
+its cache, and only writes into blocks announced by ``expect``. Back-pressure is TCP's
+own (``sendall`` blocks while the receiver is behind) plus the one-transfer window.
+
+Frame header (little endian): magic ``FKV1``, kind (u8), layer (u32), block count (u32),
+transfer id length (u32), payload length (u64), checksum (u64); then the transfer id
+(UTF-8), the block ids (i32 each) and the payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+from engine.kv_cache.layout import KVCache
+from kvstore.transport.base import (
+    KVEndpoint,
+    KVReceiver,
+    KVSender,
+    KVTransport,
+    TransferError,
+    TransferStats,
+    block_bytes,
+    check_ids,
+    check_layout,
+    layout_signature,
+)
+
+MAGIC = b"FKV1"
+HEADER = struct.Struct("<4sBIIIQQ")
+DATA, END, ACK, NACK = 1, 2, 3, 4
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: int
+    transfer_id: str
+    layer: int = 0
+    block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype="<i4"))
+    payload: memoryview | bytes = b""
+    checksum: int = 0
+
+
+def checksum(ids: bytes, payload: memoryview | bytes) -> int:
+    h = xxhash.xxh3_64()
+    h.update(ids)
+    h.update(payload)
+    return h.intdigest()
+
+
+def write_frame(
+    sock: socket.socket,
+    kind: int,
+    transfer_id: str,
+    layer: int = 0,
+    block_ids: list[int] | np.ndarray = (),
+    payload: memoryview | bytes = b"",
+    digest: int | None = None,
+) -> None:
+    tid = transfer_id.encode()
+    ids = np.asarray(block_ids, dtype="<i4").tobytes()
+    if digest is None:
+        digest = checksum(ids, payload)
+    header = HEADER.pack(MAGIC, kind, layer, len(ids) // 4, len(tid), len(payload), digest)
+    sock.sendall(header + tid + ids)
+    if len(payload):
+        sock.sendall(payload)
+
+
+def _read_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> memoryview:
+    buf = into if into is not None and len(into) >= n else bytearray(n)
+    view = memoryview(buf)[:n]
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return view
+
+
+def read_frame(sock: socket.socket, buffer: bytearray | None = None) -> Frame:
+    magic, kind, layer, nids, tid_len, plen, digest = HEADER.unpack(
+        bytes(_read_exact(sock, HEADER.size))
+    )
+    if magic != MAGIC:
+        raise ConnectionError(f"bad frame magic {magic!r}")
+    tid = bytes(_read_exact(sock, tid_len)).decode() if tid_len else ""
+    ids = np.frombuffer(bytes(_read_exact(sock, nids * 4)), dtype="<i4") if nids else None
+    payload = _read_exact(sock, plen, buffer) if plen else memoryview(b"")
+    if ids is None:
+        ids = np.zeros(0, dtype="<i4")
+    return Frame(kind, tid, layer, ids, payload, digest)
+
+
+def _configure(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# ---- receiving ------------------------------------------------------------------------------
+
+
+class TcpReceiver(KVReceiver):
+    def __init__(self, cache: KVCache, host: str = "127.0.0.1") -> None:
+        self.cache = cache
+        self._expected: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._listener = socket.create_server((host, 0))
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        port = self._listener.getsockname()[1]
+        self.endpoint = KVEndpoint(
+            "tcp", f"{host}:{port}", layout_signature(cache), cache.num_blocks
+        )
+        self._spawn(self._accept_loop, "kv-tcp-accept")
+
+    def expect(self, transfer_id: str, dst_block_ids: list[int]) -> None:
+        with self._lock:
+            self._expected[transfer_id] = set(dst_block_ids)
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+
+    def _allowed(self, transfer_id: str, ids: np.ndarray) -> bool:
+        with self._lock:
+            allowed = self._expected.get(transfer_id)
+            return allowed is not None and allowed.issuperset(ids.tolist())
+
+    def _spawn(self, target, name: str, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            _configure(conn)
+            self._conns.add(conn)
+            self._spawn(self._serve, "kv-tcp-conn", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffer = bytearray()
+        failed: dict[str, str] = {}
+        layers: dict[str, set[int]] = {}
+        try:
+            while True:
+                frame = read_frame(conn, buffer)
+                if frame.kind == DATA:
+                    problem = self._write(frame)
+                    if problem:
+                        failed.setdefault(frame.transfer_id, problem)
+                    else:
+                        layers.setdefault(frame.transfer_id, set()).add(frame.layer)
+                elif frame.kind == END:
+                    done = layers.pop(frame.transfer_id, set())
+                    problem = failed.pop(frame.transfer_id, None)
+                    if problem is None and len(done) != frame.layer:
+                        problem = f"got {len(done)} of {frame.layer} layers"
+                    if problem is None:
+                        write_frame(conn, ACK, frame.transfer_id)
+                    else:
+                        write_frame(conn, NACK, frame.transfer_id, payload=problem.encode())
+                if len(frame.payload) > len(buffer):
+                    buffer = bytearray(len(frame.payload))
+        except (OSError, ConnectionError):
+            pass  # the sender went away: its partial transfers are simply dropped
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def _write(self, frame: Frame) -> str | None:
+        ids = frame.block_ids
+        if checksum(ids.tobytes(), frame.payload) != frame.checksum:
+            return f"checksum mismatch in layer {frame.layer}"
+        if not self._allowed(frame.transfer_id, ids):
+            return "transfer not expected (cancelled or timed out) or blocks not its own"
+        if frame.layer >= len(self.cache.layers):
+            return f"layer {frame.layer} out of range"
+        layer = self.cache.layers[frame.layer]
+        if len(frame.payload) != len(ids) * block_bytes(self.cache.layout):
+            return "payload size does not match the block count"
+        src = torch.frombuffer(frame.payload, dtype=torch.uint8).view(layer.dtype)
+        layer.index_copy_(0, torch.from_numpy(ids.astype(np.int64)), src.view(-1, *layer.shape[1:]))
+        return None
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+# ---- sending ---------------------------------------------------------------------------------
+
+
+class TcpSender(KVSender):
+    def __init__(self, cache: KVCache) -> None:
+        super().__init__(cache)
+        self._conns: dict[str, socket.socket] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def send(
+        self,
+        endpoint: KVEndpoint,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        timeout: float = 30.0,
+    ) -> TransferStats:
+        started = time.perf_counter()
+        check_layout(self.cache, endpoint)
+        check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
+        with self._guard:
+            lock = self._locks.setdefault(endpoint.address, threading.Lock())
+        with lock:
+            sock = self._connect(endpoint, timeout)
+            try:
+                sock.settimeout(timeout)
+                self._stream(sock, transfer_id, src_block_ids, dst_block_ids)
+                reply = read_frame(sock)
+            except (OSError, ConnectionError) as exc:
+                self._drop(endpoint)
+                raise TransferError(f"KV transfer to {endpoint.address} failed: {exc}") from exc
+        if reply.kind != ACK or reply.transfer_id != transfer_id:
+            reason = bytes(reply.payload).decode(errors="replace") or f"reply kind {reply.kind}"
+            raise TransferError(f"receiver refused transfer {transfer_id}: {reason}")
+        return self._stats(len(src_block_ids), started)
+
+    def _stream(self, sock: socket.socket, tid: str, src: list[int], dst: list[int]) -> None:
+        index = torch.tensor(src, dtype=torch.long)
+        for i, layer in enumerate(self.cache.layers):
+            data = layer.index_select(0, index).reshape(-1).view(torch.uint8).numpy()
+            write_frame(sock, DATA, tid, i, dst, memoryview(data))
+        write_frame(sock, END, tid, len(self.cache.layers))
+
+    def _connect(self, endpoint: KVEndpoint, timeout: float) -> socket.socket:
+        sock = self._conns.get(endpoint.address)
+        if sock is None:
+            host, port = endpoint.address.rsplit(":", 1)
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=timeout)
+            except OSError as exc:
+                raise TransferError(f"cannot reach KV receiver {endpoint.address}: {exc}") from exc
+            _configure(sock)
+            self._conns[endpoint.address] = sock
+        return sock
+
+    def _drop(self, endpoint: KVEndpoint) -> None:
+        sock = self._conns.pop(endpoint.address, None)
+        if sock is not None:
+            sock.close()
+
+    def close(self) -> None:
+        for sock in self._conns.values():
+            sock.close()
+        self._conns.clear()
+
+
+class TcpTransport(KVTransport):
+    name = "tcp"
+
+    def receiver(self, cache: KVCache, host: str = "127.0.0.1") -> TcpReceiver:
+        return TcpReceiver(cache, host)
+
+    def sender(self, cache: KVCache) -> TcpSender:
+        return TcpSender(cache)

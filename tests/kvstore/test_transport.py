@@ -1,0 +1,197 @@
+"""KV transports: random blocks land in the destination cache at the given block ids;
+corruption, peer death and cancelled transfers are detected; nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.transport import TransferError, get_transport
+from kvstore.transport import tcp as tcp_mod
+
+LAYOUT = KVCacheLayout.for_attention(3, 2, 8, 4, torch.float32)
+MLA = KVCacheLayout.for_mla(2, 12, 4, 4, torch.bfloat16)
+
+
+def _source(layout: KVCacheLayout, num_blocks: int = 32) -> KVCache:
+    cache = KVCache(layout, num_blocks, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    cache.storage.copy_(torch.randn(cache.shape, generator=gen).to(layout.dtype))
+    return cache
+
+
+def _threads() -> int:
+    return threading.active_count()
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("layout", [LAYOUT, MLA], ids=["gqa", "mla"])
+def test_round_trip_into_given_block_ids(name, layout):
+    transport = get_transport(name)
+    dst = transport.allocate_cache(layout, 48, "cpu")
+    receiver = transport.receiver(dst)
+    src = _source(layout)
+    sender = get_transport(name).sender(src)
+    rng = np.random.default_rng(1)
+    try:
+        for t in range(5):
+            n = int(rng.integers(1, 20))
+            src_ids = rng.choice(np.arange(1, 32), n, replace=False).tolist()
+            dst_ids = rng.choice(np.arange(1, 48), n, replace=False).tolist()
+            receiver.expect(f"t{t}", dst_ids)
+            stats = sender.send(receiver.endpoint, f"t{t}", src_ids, dst_ids)
+            assert stats.num_blocks == n
+            assert stats.num_bytes == n * layout.bytes_per_block
+            for a, b in zip(src.layers, dst.layers):
+                assert torch.equal(b[dst_ids], a[src_ids])
+            receiver.forget(f"t{t}")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_layout_mismatch_and_bad_block_ids_are_refused(name):
+    transport = get_transport(name)
+    receiver = transport.receiver(transport.allocate_cache(LAYOUT, 16, "cpu"))
+    other = KVCacheLayout.for_attention(3, 2, 4, 4, torch.float32)
+    try:
+        with pytest.raises(TransferError, match="layout"):
+            get_transport(name).sender(_source(other)).send(receiver.endpoint, "x", [1], [1])
+        sender = get_transport(name).sender(_source(LAYOUT))
+        with pytest.raises(TransferError, match="out of range"):
+            sender.send(receiver.endpoint, "x", [1], [16])
+        sender.close()
+    finally:
+        receiver.close()
+
+
+def test_tcp_corrupted_frame_is_refused_and_not_written():
+    transport = get_transport("tcp")
+    dst = transport.allocate_cache(LAYOUT, 16, "cpu")
+    receiver = transport.receiver(dst)
+    receiver.expect("bad", [3])
+    host, port = receiver.endpoint.address.split(":")
+    payload = bytearray(_source(LAYOUT).layers[0][[1]].numpy().tobytes())
+    digest = tcp_mod.checksum(np.asarray([3], dtype="<i4").tobytes(), bytes(payload))
+    payload[5] ^= 0xFF  # flipped on the wire
+    with socket.create_connection((host, int(port))) as sock:
+        for layer in range(3):
+            tcp_mod.write_frame(sock, tcp_mod.DATA, "bad", layer, [3], bytes(payload), digest)
+        tcp_mod.write_frame(sock, tcp_mod.END, "bad", 3)
+        reply = tcp_mod.read_frame(sock)
+    assert reply.kind == tcp_mod.NACK
+    assert b"checksum" in bytes(reply.payload)
+    assert not dst.layers[0][3].any()
+    receiver.close()
+
+
+def test_tcp_unexpected_or_forgotten_transfer_is_refused():
+    transport = get_transport("tcp")
+    dst = transport.allocate_cache(LAYOUT, 16, "cpu")
+    receiver = transport.receiver(dst)
+    sender = get_transport("tcp").sender(_source(LAYOUT))
+    with pytest.raises(TransferError, match="not expected"):
+        sender.send(receiver.endpoint, "never", [1, 2], [3, 4])
+    receiver.expect("gone", [3, 4])
+    receiver.forget("gone")
+    with pytest.raises(TransferError, match="not expected"):
+        sender.send(receiver.endpoint, "gone", [1, 2], [3, 4])
+    receiver.expect("other", [5])
+    with pytest.raises(TransferError, match="not its own"):
+        sender.send(receiver.endpoint, "other", [1, 2], [5, 6])
+    assert not dst.storage.any()
+    sender.close()
+    receiver.close()
+
+
+_RECEIVER = """
+import sys, time, msgspec, torch
+from engine.kv_cache.layout import KVCacheLayout
+from kvstore.transport import get_transport
+lay = KVCacheLayout.for_attention(3, 2, 8, 4, torch.float32)
+t = get_transport(sys.argv[1])
+rx = t.receiver(t.allocate_cache(lay, 16, "cpu"))
+rx.expect("t", list(range(1, 16)))
+print(msgspec.json.encode(rx.endpoint).decode(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_peer_death_is_detected(name):
+    import msgspec
+
+    from kvstore.transport import KVEndpoint
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RECEIVER, name], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    try:
+        endpoint = msgspec.json.decode(proc.stdout.readline(), type=KVEndpoint)
+        sender = get_transport(name).sender(_source(LAYOUT))
+        sender.send(endpoint, "t", [1, 2], [1, 2])  # the peer is alive: fine
+        proc.kill()
+        proc.wait()
+        started = time.monotonic()
+        with pytest.raises(TransferError):
+            sender.send(endpoint, "t", [1, 2], [1, 2], timeout=5)
+        assert time.monotonic() - started < 5
+        sender.close()
+    finally:
+        proc.kill()
+
+
+def test_tcp_sender_gone_mid_transfer_leaves_receiver_clean():
+    before = _threads()
+    transport = get_transport("tcp")
+    dst = transport.allocate_cache(LAYOUT, 16, "cpu")
+    receiver = transport.receiver(dst)
+    receiver.expect("t", [1])
+    host, port = receiver.endpoint.address.split(":")
+    payload = _source(LAYOUT).layers[0][[1]].numpy().tobytes()
+    with socket.create_connection((host, int(port))) as sock:
+        tcp_mod.write_frame(sock, tcp_mod.DATA, "t", 0, [1], payload)
+    # the receiver keeps working for the next sender
+    sender = get_transport("tcp").sender(_source(LAYOUT))
+    sender.send(receiver.endpoint, "t", [2], [1])
+    sender.close()
+    receiver.close()
+    deadline = time.monotonic() + 5
+    while _threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _threads() == before
+
+
+def _memfds() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:ferry-kv" in line for line in f)
+
+
+def test_shm_segment_is_released_when_both_ends_let_go():
+    import gc
+
+    before = _memfds()
+    transport = get_transport("shm")
+    dst = transport.allocate_cache(LAYOUT, 16, "cpu")
+    receiver = transport.receiver(dst)
+    sender = get_transport("shm").sender(_source(LAYOUT))
+    sender.send(receiver.endpoint, "t", [1], [2])
+    assert _memfds() > before
+    sender.close()
+    receiver.close()
+    del dst, receiver
+    gc.collect()
+    assert _memfds() == before
+    fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+    assert not any("ferry-kv" in os.readlink(p) for p in fds if os.path.exists(p))
