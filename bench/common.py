@@ -5,7 +5,10 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 
 
 def _cpu_model() -> str:
@@ -49,3 +52,14 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         info["machine"]["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,6 +1,6 @@
 """CPU engine throughput: ferry's engine vs transformers' ``generate``, in one run.
 
-    .venv/bin/python bench/cpu_engine.py [--model default] [--out bench/results/cpu_engine.json]
+    .venv/bin/python -m bench.cpu_engine [--model default] [--dtype float32|bfloat16]
 
 Measures, on the same model and prompts: prefill tok/s (one 512-token prompt),
 decode tok/s at batch 1 and at batch 16 (128 new tokens per sequence, EOS ignored).
@@ -12,27 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.common import machine_info
+from bench.common import machine_info, median_time
 from engine.config import CacheConfig, EngineConfig
 from engine.llm import LLM
 from engine.loader import default_model_path
 from engine.sampling_params import SamplingParams
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -40,25 +29,31 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
-def bench_ferry(model: str, args) -> dict:
-    llm = LLM(
-        EngineConfig(model=model, cache=CacheConfig(memory_gb=1.0, enable_prefix_caching=False))
-    )
-    vocab = llm.core.model_config.vocab_size
-
-    def gen(prompts, n):
-        return lambda: llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        )
-
-    long = _prompts(1, args.prefill_len, vocab, 0)
-    out = {"prefill_tok_s": args.prefill_len / _median_time(gen(long, 1), args.repeats)}
+def measure(
+    make_run: Callable[[list[list[int]], int], Callable[[], object]], vocab: int, args
+) -> dict:
+    """Prefill and decode throughput of ``make_run(prompts, new_tokens)()``, which must
+    greedily generate exactly ``new_tokens`` tokens for every prompt."""
+    timed = lambda prompts, n: median_time(make_run(prompts, n), args.repeats)  # noqa: E731
+    out = {"prefill_tok_s": args.prefill_len / timed(_prompts(1, args.prefill_len, vocab, 0), 1)}
     for batch in (1, 16):
         prompts = _prompts(batch, args.prompt_len, vocab, batch)
-        t_prefill = _median_time(gen(prompts, 1), args.repeats)
-        t_total = _median_time(gen(prompts, args.new_tokens + 1), args.repeats)
-        out[f"decode_b{batch}_tok_s"] = batch * args.new_tokens / (t_total - t_prefill)
+        decode_time = timed(prompts, args.new_tokens + 1) - timed(prompts, 1)
+        out[f"decode_b{batch}_tok_s"] = batch * args.new_tokens / decode_time
     return out
+
+
+def bench_ferry(args) -> dict:
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, cache=CacheConfig(enable_prefix_caching=False)
+    )
+    llm = LLM(config)
+
+    def make_run(prompts, n):
+        sampling = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        return lambda: llm.generate(prompts, sampling)
+
+    return measure(make_run, llm.core.model_config.vocab_size, args)
 
 
 def bench_transformers(args) -> dict:
@@ -66,25 +61,17 @@ def bench_transformers(args) -> dict:
 
     path = Path(default_model_path())
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=getattr(torch, args.dtype)
     )
     model.generation_config.eos_token_id = None
-    vocab = model.config.vocab_size
 
-    def gen(prompts, n):
+    def make_run(prompts, n):
         ids = torch.tensor(prompts)
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n)
         return lambda: model.generate(ids, do_sample=False, **kw)
 
     with torch.inference_mode():
-        long = _prompts(1, args.prefill_len, vocab, 0)
-        out = {"prefill_tok_s": args.prefill_len / _median_time(gen(long, 1), args.repeats)}
-        for batch in (1, 16):
-            prompts = _prompts(batch, args.prompt_len, vocab, batch)
-            t_prefill = _median_time(gen(prompts, 1), args.repeats)
-            t_total = _median_time(gen(prompts, args.new_tokens + 1), args.repeats)
-            out[f"decode_b{batch}_tok_s"] = batch * args.new_tokens / (t_total - t_prefill)
-    return out
+        return measure(make_run, model.config.vocab_size, args)
 
 
 def main() -> None:
@@ -92,6 +79,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -100,7 +88,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/cpu_engine.json")
     args = parser.parse_args()
 
-    results = {"ferry": bench_ferry(args.model, args)}
+    results = {"ferry": bench_ferry(args)}
     if not args.skip_transformers:
         results["transformers"] = bench_transformers(args)
         results["ratio_ferry_over_transformers"] = {
@@ -110,6 +98,7 @@ def main() -> None:
         "benchmark": "cpu_engine",
         **machine_info(),
         "model": args.model,
+        "dtype": args.dtype,
         "settings": {
             k: getattr(args, k) for k in ("prefill_len", "prompt_len", "new_tokens", "repeats")
         },
