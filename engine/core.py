@@ -40,11 +40,13 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.structured import GrammarCompiler, GrammarGate
 from kvstore.hashing import extra_keys
 
 log = logging.getLogger("ferry.engine")
 
 _IDLE_POLL_MS = 1000
+_GRAMMAR_POLL_S = 0.005  # with nothing to run but grammars compiling: how long a step waits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -75,6 +77,12 @@ class EngineCore:
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
         self._hash_extra = extra_keys(mc.fingerprint)
+        so = config.structured
+        self.grammars = GrammarGate(
+            GrammarCompiler(
+                loaded.tokenizer, mc.vocab_size, so.grammar_cache_mb << 20, so.compile_threads
+            )
+        )
 
     def _resolve(self, config: EngineConfig, layout: KVCacheLayout) -> EngineConfig:
         """Fill in what is only known now: block count and context length."""
@@ -106,29 +114,39 @@ class EngineCore:
         if problem:
             return RequestOutput(msg.request_id, [], "error", error=problem)
         extra = self._hash_extra + (extra_keys(msg.cache_salt) if msg.cache_salt else b"")
-        self.scheduler.add(
-            Request(
-                msg.request_id,
-                list(msg.prompt_token_ids),
-                msg.sampling,
-                eos_token_ids=self.eos_token_ids,
-                arrival_time=msg.arrival_time,
-                hash_extra=extra,
-            )
+        req = Request(
+            msg.request_id,
+            list(msg.prompt_token_ids),
+            msg.sampling,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=msg.arrival_time,
+            hash_extra=extra,
         )
+        if msg.sampling.grammar is None:
+            self.scheduler.add(req)
+        else:  # enters the scheduler once its grammar has compiled
+            self.grammars.add(req)
         return None
 
     def abort(self, request_ids: list[str]) -> None:
+        self.grammars.abort(request_ids)
         self.scheduler.abort(request_ids)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.grammars)
 
     def step(self) -> list[RequestOutput]:
+        if self.grammars and not self.scheduler.has_work:
+            self.grammars.wait(_GRAMMAR_POLL_S)
+        ready, failed = self.grammars.take_ready()
+        for req in ready:
+            self.scheduler.add(req)
+        if not self.scheduler.has_work:
+            return failed
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        return failed + self.scheduler.update(plan, result)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -15,6 +16,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...]
+    grammar: Any = None  # the compiled grammar when ``sampling.grammar`` is set
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,11 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the runner sampled: for each chunk with ``sample``, one token (and logprobs)."""
+    """What the runner sampled: for each chunk with ``sample``, one token (and logprobs).
+
+    ``ended``: requests whose sampled token completed their grammar; they stop there.
+    """
 
     sampled: dict[str, int]
     logprobs: dict[str, object] = field(default_factory=dict)  # request_id -> TokenLogprob
+    ended: frozenset[str] = frozenset()

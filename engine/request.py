@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.kv_cache.block_pool import Block
 from engine.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class Request:
     finish_reason: str | None = None
     stop_token_id: int | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    grammar: Any = None  # compiled grammar (engine.structured), set before it is scheduled
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -1,11 +1,13 @@
 """Executes a StepPlan: builds the step's tensors, runs the model, samples.
 
 The runner keeps, per request, only what sampling needs (params, generator, tokens
-so far); everything about *which* tokens run and where their KV goes comes in the plan.
+so far, the grammar matcher of a structured request); everything about *which* tokens
+run and where their KV goes comes in the plan.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +17,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardCo
 from engine.models.base import CausalLM
 from engine.plan import NewRequest, StepPlan, StepResult
 from engine.sampler import Sampler, SamplingRow
+from engine.structured import GrammarState, build_mask
+
+log = logging.getLogger("ferry.runner")
 
 
 @dataclass
@@ -22,6 +27,7 @@ class _RowState:
     new: NewRequest
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None
 
     def row(self) -> SamplingRow:
         return SamplingRow(
@@ -65,11 +71,27 @@ class ModelRunner:
             if not inputs.sample_ids:
                 return StepResult({})
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
-            out = self.sampler(logits, [self.states[rid].row() for rid in inputs.sample_ids])
-        for rid, token in zip(inputs.sample_ids, out.token_ids):
-            self.states[rid].output_token_ids.append(token)
+            states = [self.states[rid] for rid in inputs.sample_ids]
+            mask = build_mask([s.grammar for s in states], self.sampler.vocab_size)
+            out = self.sampler(logits, [s.row() for s in states], mask)
+        ended = self._advance(inputs.sample_ids, out.token_ids)
         logprobs = {rid: lp for rid, lp in zip(inputs.sample_ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(inputs.sample_ids, out.token_ids)), logprobs)
+        return StepResult(dict(zip(inputs.sample_ids, out.token_ids)), logprobs, ended)
+
+    def _advance(self, request_ids: list[str], tokens: list[int]) -> frozenset[str]:
+        """Record each sampled token; returns the requests whose grammar it completed."""
+        ended = set()
+        for rid, token in zip(request_ids, tokens):
+            state = self.states[rid]
+            state.output_token_ids.append(token)
+            if state.grammar is None:
+                continue
+            if not state.grammar.accept(token):
+                log.error("request %s: sampled token %d breaks its grammar; ending it", rid, token)
+                ended.add(rid)
+            elif state.grammar.is_terminated:
+                ended.add(rid)
+        return frozenset(ended)
 
     def _sync_states(self, plan: StepPlan) -> None:
         for rid in plan.finished_ids:
@@ -78,7 +100,8 @@ class ModelRunner:
             generator = None
             if new.sampling.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(new.sampling.seed)
-            self.states[new.request_id] = _RowState(new, generator)
+            grammar = None if new.grammar is None else GrammarState.resume(new.grammar, [])
+            self.states[new.request_id] = _RowState(new, generator, grammar=grammar)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size

@@ -2,8 +2,9 @@
 
 Contract
 --------
-``Sampler.__call__(logits, rows)`` takes float32 logits ``[N, V]`` (one row per request sampled
-this step) and the ``N`` matching ``SamplingRow``s, and returns one token id per row plus, for
+``Sampler.__call__(logits, rows, mask)`` takes float32 logits ``[N, V]`` (one row per request
+sampled this step), the ``N`` matching ``SamplingRow``s and, when some rows are structured
+output, the step's ``TokenMask`` (``engine.structured``), and returns one token id per row plus, for
 rows whose ``params.logprobs`` is set, a ``TokenLogprob``. ``V`` may exceed ``vocab_size``:
 columns at or past ``vocab_size`` are padding and are never chosen nor reported. The input
 tensor is never modified. Token ids in rows must lie in ``[0, vocab_size)``.
@@ -12,14 +13,16 @@ Per row, in this order (what vLLM and OpenAI users expect):
 
 1. ``logit_bias`` is added (ids outside the vocabulary are ignored).
 2. While fewer than ``min_tokens`` tokens have been generated, the stop tokens (the row's EOS
-   ids unless ``ignore_eos``, plus ``stop_token_ids``, as vLLM does) are set to -inf.
+   ids unless ``ignore_eos``, plus ``stop_token_ids``, as vLLM does) are set to -inf. Not for
+   rows with a grammar: the grammar decides where their output may end.
 3. Repetition penalty (HF/vLLM) over prompt + output tokens: positive logits are divided by
    it, negative ones multiplied.
 4. Frequency and presence penalties (OpenAI) over output tokens:
    ``logit -= frequency * count + presence * (count > 0)``.
-5. Greedy rows (``params.greedy``: temperature 0 or top_k 1) take the argmax; ties go to the
+5. Rows with a grammar: tokens the mask forbids are set to -inf.
+6. Greedy rows (``params.greedy``: temperature 0 or top_k 1) take the argmax; ties go to the
    lowest id.
-6. Other rows: divide by temperature, then top-k, top-p, min-p, then one draw from what is left.
+7. Other rows: divide by temperature, then top-k, top-p, min-p, then one draw from what is left.
 
 Logprobs are the raw model's, as vLLM reports them by default: ``log_softmax`` of the input
 logits before any step above; the sampled token's plus the ``params.logprobs`` best tokens,
@@ -38,11 +41,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.messages import TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import TokenMask
 
 NEG_INF = float("-inf")
 MIN_TEMPERATURE = 1e-5  # smaller positive temperatures are raised to it: logits / t stays finite
@@ -64,7 +71,7 @@ class SamplingRow:
 
     def suppressed_stop_ids(self) -> tuple[int, ...]:
         """Ids forbidden this step because ``min_tokens`` has not been reached yet."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
+        if len(self.output_token_ids) >= self.params.min_tokens or self.params.grammar:
             return ()
         eos = () if self.params.ignore_eos else tuple(self.eos_token_ids)
         return eos + tuple(self.params.stop_token_ids)
@@ -95,7 +102,9 @@ class Sampler:
         request for its whole life and pass it in every ``SamplingRow`` of that request."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
+    ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if logits.shape[1] < self.vocab_size:
@@ -103,7 +112,7 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         raw = logits[:, : self.vocab_size]
-        tokens = self._choose(process_logits(raw, rows), rows)
+        tokens = self._choose(apply_mask(process_logits(raw, rows), raw, mask), rows)
         return SamplerOutput(tokens.tolist(), token_logprobs(raw, rows, tokens))
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -118,7 +127,7 @@ class Sampler:
         return tokens
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Step 6 for rows that are all non-greedy; returns their token ids."""
+        """Step 7 for rows that are all non-greedy; returns their token ids."""
         temperatures = [max(row.params.temperature, MIN_TEMPERATURE) for row in rows]
         scaled = logits / _column(temperatures, logits)
         apply_top_k(scaled, [row.params.top_k for row in rows])
@@ -231,7 +240,17 @@ def _per_row(rows: Sequence[SamplingRow], name: str, like: torch.Tensor) -> torc
     return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
-# -- step 6: filters and the draw -------------------------------------------------------------
+def apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+    """Step 5: forbid what the grammar forbids. ``logits`` is the processed tensor, which may
+    be ``raw`` itself: ``raw`` is copied before it is written."""
+    if mask is None:
+        return logits
+    out = logits.clone(memory_format=torch.contiguous_format) if logits is raw else logits
+    mask.apply(out)
+    return out
+
+
+# -- step 7: filters and the draw -------------------------------------------------------------
 
 
 def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> None:

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+GrammarKind = Literal["json", "regex", "grammar"]
+
+
+class GrammarSpec(msgspec.Struct, frozen=True):
+    """A constraint on the generated text, compiled by the engine (``engine.structured``).
+
+    ``json``: ``value`` is a JSON schema as JSON text; ``regex``: a regular expression;
+    ``grammar``: an EBNF grammar (GBNF dialect, ``root`` rule). Equal specs share one
+    compiled grammar.
+    """
+
+    kind: GrammarKind
+    value: str
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -26,6 +42,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token plus k top alternatives
+    grammar: GrammarSpec | None = None  # structured output: only text the grammar accepts
 
     def __post_init__(self) -> None:
         problems = list(self.problems())

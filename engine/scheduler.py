@@ -97,7 +97,11 @@ class Scheduler:
                 self._known_to_runner.add(req.request_id)
                 new_requests.append(
                     NewRequest(
-                        req.request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.sampling,
+                        req.eos_token_ids,
+                        req.grammar,
                     )
                 )
         return new_requests
@@ -137,7 +141,7 @@ class Scheduler:
                 continue
             token = result.sampled[req.request_id]
             req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
+            reason = "stop" if req.request_id in result.ended else self._stop_reason(req, token)
             outputs.append(
                 RequestOutput(
                     req.request_id,

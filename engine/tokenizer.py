@@ -240,6 +240,11 @@ class Tokenizer:
         return None if self.pad_token is None else self.backend.token_to_id(self.pad_token)
 
     @property
+    def is_byte_level(self) -> bool:
+        """True for byte-level BPE vocabularies (GPT-2's ``Ġ`` spelling of bytes)."""
+        return self._byte_level
+
+    @property
     def all_special_ids(self) -> tuple[int, ...]:
         return tuple(sorted(self._special_ids))
 

@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from engine import envs
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from server.config import ServerConfig
 
 log = logging.getLogger("ferry.server")
@@ -40,6 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", help="cpu or cuda[:i]")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
+    p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
     return p  # fmt: skip
 
@@ -60,8 +62,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             max_model_len="max_model_len",
         )
     )
+    structured = StructuredOutputConfig(
+        **_given(
+            args,
+            grammar_cache_mb="grammar_cache_mb",
+            compile_threads="grammar_compile_threads",
+        )
+    )
     top = _given(args, seed="seed", num_threads="threads", device="device", dtype="dtype")
-    return EngineConfig(model=args.model, cache=cache, scheduler=scheduler, **top)
+    return EngineConfig(
+        model=args.model, cache=cache, scheduler=scheduler, structured=structured, **top
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

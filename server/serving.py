@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 from engine.client import EngineDeadError
 from engine.messages import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 from server.errors import APIError, engine_unavailable, invalid_request, model_not_found
 from server.metrics import Metrics
 from server.protocol import (
@@ -47,6 +47,14 @@ from server.protocol import (
     TextPart,
     TopLogprob,
     Usage,
+)
+from server.structured import (
+    Constraint,
+    ToolCallMode,
+    ToolCallStream,
+    check_constraint,
+    constraint,
+    tool_calls,
 )
 from server.text import TextDelta, TextStream
 
@@ -95,6 +103,7 @@ class Job:
     model: str
     prompts: list[PromptInput]
     choices: list[ChoiceSpec]
+    tool_calls: ToolCallMode | None = None  # a forced tool call: render text as tool_calls
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -153,11 +162,14 @@ class Serving:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         self._check_ready(req.model)
+        wanted = constraint(req)
+        await check_constraint(wanted)
         messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
-        prompt = await asyncio.to_thread(self._render_chat, messages, req.tools)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        prompt = await asyncio.to_thread(self._render_chat, messages, tools)
         self._check_token_ids(prompt, "messages")
         max_tokens = self._max_tokens(len(prompt), req.max_new_tokens, "messages")
-        return self._job("chatcmpl", req, [PromptInput(prompt)], [max_tokens])
+        return self._job("chatcmpl", req, [PromptInput(prompt)], [max_tokens], wanted)
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         self._check_ready(req.model)
@@ -165,11 +177,13 @@ class Serving:
             raise invalid_request("suffix is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise invalid_request("best_of is not supported (only best_of == n)", "best_of")
+        wanted = constraint(req)
+        await check_constraint(wanted)
         prompts = await asyncio.to_thread(self._completion_prompts, req)
         for prompt in prompts:
             self._check_token_ids(prompt.token_ids, "prompt")
         max_tokens = [self._max_tokens(len(p.token_ids), req.max_tokens, "prompt") for p in prompts]
-        return self._job("cmpl", req, prompts, max_tokens)
+        return self._job("cmpl", req, prompts, max_tokens, wanted)
 
     def _check_ready(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -227,21 +241,28 @@ class Serving:
         return requested if requested is not None else limit - prompt_len
 
     def _job(
-        self, prefix: str, req: SamplingFields, prompts: list[PromptInput], max_tokens: list[int]
+        self,
+        prefix: str,
+        req: SamplingFields,
+        prompts: list[PromptInput],
+        max_tokens: list[int],
+        wanted: Constraint,
     ) -> Job:
-        """``n`` choices per prompt; choice ``i`` of prompt ``p`` has index ``p * n + i``."""
+        """``n`` choices per prompt; choice ``i`` of prompt ``p`` has index ``p * n + i``.
+        Stop strings do not apply to a forced tool call (they would cut its JSON)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        stop = [] if wanted.tool_calls else req.stop_strings
         choices = []
         for p in range(len(prompts)):
             for i in range(req.n):
                 index = p * req.n + i
-                sampling = self._sampling(req, i, max_tokens[p])
-                choices.append(
-                    ChoiceSpec(index, p, f"{request_id}-{index}", sampling, req.stop_strings)
-                )
-        return Job(request_id, self.model_name, prompts, choices)
+                sampling = self._sampling(req, i, max_tokens[p], wanted.grammar)
+                choices.append(ChoiceSpec(index, p, f"{request_id}-{index}", sampling, stop))
+        return Job(request_id, self.model_name, prompts, choices, wanted.tool_calls)
 
-    def _sampling(self, req: SamplingFields, i: int, max_tokens: int) -> SamplingParams:
+    def _sampling(
+        self, req: SamplingFields, i: int, max_tokens: int, grammar: GrammarSpec | None
+    ) -> SamplingParams:
         vocab = self.tokenizer.vocab_size
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
         for token in [*bias, *(req.stop_token_ids or [])]:
@@ -266,6 +287,7 @@ class Serving:
                 min_tokens=req.min_tokens,
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                grammar=grammar,
             )
         except ValueError as exc:
             raise invalid_request(str(exc)) from exc
@@ -473,9 +495,9 @@ class ChatRenderer:
         choices = [
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content="".join(texts[i])),
+                message=self._message("".join(texts[i]), finish.get(i)),
                 logprobs=self._logprobs(logprobs[i]),
-                finish_reason=finish.get(i),
+                finish_reason=self._finish_reason(finish.get(i)),
             )
             for i in sorted(texts)
         ]
@@ -484,6 +506,16 @@ class ChatRenderer:
             choices=choices, usage=tally.usage(),
         )  # fmt: skip
 
+    def _message(self, text: str, finish: str | None) -> AssistantMessage:
+        mode = self.job.tool_calls
+        if mode is None or finish != "stop":
+            return AssistantMessage(content=text)
+        return AssistantMessage(content=None, tool_calls=tool_calls(text, mode))
+
+    def _finish_reason(self, finish: str | None) -> str | None:
+        """A forced tool call that completed finishes with ``tool_calls``, as OpenAI's do."""
+        return "tool_calls" if self.job.tool_calls and finish == "stop" else finish
+
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
@@ -491,27 +523,36 @@ class ChatRenderer:
 
     async def stream(self) -> AsyncIterator[str]:
         tally = Tally(self.job)
+        mode = self.job.tool_calls
+        calls = {c.index: ToolCallStream(mode) for c in self.job.choices} if mode else {}
         try:
             for spec in self.job.choices:
-                delta = ChatDelta(role="assistant", content="")
+                delta = ChatDelta(role="assistant", content=None if mode else "")
                 yield self._chunk([ChatChunkChoice(index=spec.index, delta=delta)])
             async with aclosing(self.serving.events(self.job)) as events:
                 async for ev in events:
                     tally.add(ev)
-                    if ev.text or ev.finish_reason or ev.logprobs:
-                        yield self._chunk([self._chunk_choice(ev)])
+                    delta = self._delta(ev.text, calls.get(ev.index))
+                    if delta.content or delta.tool_calls or ev.finish_reason or ev.logprobs:
+                        yield self._chunk([self._chunk_choice(ev, delta)])
             if self.req.include_usage:
                 yield self._chunk([], tally.usage())
         except Exception as exc:
             yield error_event(as_api_error(exc))
         yield SSE_DONE
 
-    def _chunk_choice(self, ev: ChoiceEvent) -> ChatChunkChoice:
+    @staticmethod
+    def _delta(text: str, calls: ToolCallStream | None) -> ChatDelta:
+        if calls is None:
+            return ChatDelta(content=text or None)
+        return ChatDelta(tool_calls=calls.feed(text) or None)
+
+    def _chunk_choice(self, ev: ChoiceEvent, delta: ChatDelta) -> ChatChunkChoice:
         return ChatChunkChoice(
             index=ev.index,
-            delta=ChatDelta(content=ev.text or None),
+            delta=delta,
             logprobs=self._logprobs(ev.logprobs or []),
-            finish_reason=ev.finish_reason,
+            finish_reason=self._finish_reason(ev.finish_reason),
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
