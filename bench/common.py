@@ -30,7 +30,7 @@ def _commit() -> str:
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
         ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
+        return (out.stdout.strip() + ("-dirty" if dirty else "")) or "unknown"
     except OSError:
         return "unknown"
 
