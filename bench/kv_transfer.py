@@ -9,7 +9,9 @@ move from a source cache in this process into a receiver's cache in a child proc
 scattered block ids, layer by layer, as a prefill worker would send them. The baseline
 is ``torch`` copying the same number of bytes between two contiguous buffers in one
 process (memcpy). Figures are medians of ``--repeats`` runs after a warm-up.
-With ``--backends nccl`` (GPU) the baseline adds torch.distributed's own send/recv.
+With ``--device cuda:0 --backends nccl`` (two GPUs: sender on cuda:0, receiver on
+cuda:1) the memcpy is a device copy and the run adds torch.distributed's own NCCL
+send/recv of the same bytes between the two GPUs.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ _RECEIVER = """
 import sys, msgspec, torch
 from bench.kv_transfer import LAYOUT, NUM_BLOCKS
 from kvstore.transport import get_transport
+device = sys.argv[2]
+if device.startswith("cuda"):
+    torch.cuda.set_device(device)
 t = get_transport(sys.argv[1])
-rx = t.receiver(t.allocate_cache(LAYOUT, NUM_BLOCKS, "cpu"))
+rx = t.receiver(t.allocate_cache(LAYOUT, NUM_BLOCKS, device))
 rx.expect("bench", list(range(1, NUM_BLOCKS)))
 print(msgspec.json.encode(rx.endpoint).decode(), flush=True)
 sys.stdin.read()
@@ -58,19 +63,70 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def memcpy_gbps(nbytes: int, repeats: int) -> float:
-    a = torch.randn(nbytes // 4)
+def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    a = torch.randn(nbytes // 4, device=device)
     b = torch.empty_like(a)
-    return nbytes / _median(lambda: b.copy_(a), repeats) / 1e9
+
+    def copy() -> None:
+        b.copy_(a)
+        if a.is_cuda:
+            torch.cuda.synchronize()
+
+    return nbytes / _median(copy, repeats) / 1e9
 
 
-def backend_gbps(name: str, sizes: list[int], repeats: int) -> dict[int, dict]:
+_DIST_PEER = """
+import os, sys, torch, torch.distributed as dist
+rank, repeats = int(sys.argv[1]), int(sys.argv[3])
+sizes = [int(x) for x in sys.argv[2].split(",")]
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", rank=rank, world_size=2)
+for n in sizes:
+    buf = torch.empty(n // 4, device="cuda")
+    for i in range(repeats + 1):
+        dist.barrier(); torch.cuda.synchronize()
+        if rank == 0:
+            import time; t0 = time.perf_counter()
+            dist.send(buf, 1); torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if i: print(n, dt, flush=True)
+        else:
+            dist.recv(buf, 0); torch.cuda.synchronize()
+dist.destroy_process_group()
+"""
+
+
+def dist_send_recv_gbps(sizes_bytes: list[int], repeats: int) -> dict[int, float]:
+    """torch.distributed's own NCCL send/recv between two GPUs (rank 0 → rank 1)."""
+    import statistics as st
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29531"}  # fmt: skip
+    arg = ",".join(str(n) for n in sizes_bytes)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _DIST_PEER, str(r), arg, str(repeats)],
+                         stdout=subprocess.PIPE, text=True, env=env)
+        for r in (0, 1)
+    ]  # fmt: skip
+    out, _ = procs[0].communicate(timeout=300)
+    procs[1].wait(timeout=60)
+    times: dict[int, list[float]] = {}
+    for line in out.splitlines():
+        n, dt = line.split()
+        times.setdefault(int(n), []).append(float(dt))
+    return {n: n / st.median(t) / 1e9 for n, t in times.items()}
+
+
+def backend_gbps(name: str, sizes: list[int], repeats: int, device: str = "cpu") -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, name], stdin=subprocess.PIPE,
+    peer = "cuda:1" if device.startswith("cuda") else "cpu"
+    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, name, peer], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip
     try:
         endpoint = msgspec.json.decode(child.stdout.readline(), type=KVEndpoint)
-        src = KVCache(LAYOUT, NUM_BLOCKS, "cpu")
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        src = KVCache(LAYOUT, NUM_BLOCKS, device)
         src.storage.normal_()
         sender = get_transport(name).sender(src)
         rng = np.random.default_rng(0)
@@ -97,17 +153,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="bench/results/kv_transfer_cpu.json")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both ends)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:0 (receiver on cuda:1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     bpb = LAYOUT.bytes_per_block
     sizes = [max(1, round(mb * 2**20 / bpb)) for mb in args.sizes_mb]
-    results = {b: backend_gbps(b, sizes, args.repeats) for b in args.backends}
+    results = {b: backend_gbps(b, sizes, args.repeats, args.device) for b in args.backends}
+    baseline = {}
+    if args.device.startswith("cuda"):
+        baseline = dist_send_recv_gbps([n * bpb for n in sizes], args.repeats)
     rows = []
     for mb, blocks in zip(args.sizes_mb, sizes):
         nbytes = blocks * bpb
         row = {"target_mb": mb, "blocks": blocks, "bytes": nbytes,
-               "memcpy_gb_s": memcpy_gbps(nbytes, args.repeats)}  # fmt: skip
+               "memcpy_gb_s": memcpy_gbps(nbytes, args.repeats, args.device)}  # fmt: skip
+        if baseline:
+            row["torch_dist_send_recv_gb_s"] = baseline[nbytes]
         for b in args.backends:
             row[f"{b}_gb_s"] = results[b][blocks]["gb_s"]
             row[f"{b}_ms"] = results[b][blocks]["seconds"] * 1e3

@@ -195,3 +195,33 @@ def test_shm_segment_is_released_when_both_ends_let_go():
     assert _memfds() == before
     fds = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
     assert not any("ferry-kv" in os.readlink(p) for p in fds if os.path.exists(p))
+
+
+# ---- nccl: the rendezvous and protocol, run with gloo on CPU (no GPU here) -----------------
+# gloo stands in for NCCL to exercise the code path only; the GPU run of the real backend is
+# in bench/kv_transfer.py --backends nccl.
+
+
+def test_nccl_code_path_with_gloo_round_trip_and_refusal():
+    transport = get_transport("nccl", backend="gloo", timeout=20)
+    dst = transport.allocate_cache(LAYOUT, 24, "cpu")
+    receiver = transport.receiver(dst)
+    src = _source(LAYOUT)
+    sender = get_transport("nccl", backend="gloo", timeout=20).sender(src)
+    try:
+        for t, (s_ids, d_ids) in enumerate([([1, 2, 3], [9, 4, 20]), ([31], [1])]):
+            receiver.expect(f"t{t}", d_ids)
+            stats = sender.send(receiver.endpoint, f"t{t}", s_ids, d_ids)
+            assert stats.num_bytes == len(s_ids) * LAYOUT.bytes_per_block
+            for a, b in zip(src.layers, dst.layers):
+                assert torch.equal(b[d_ids], a[s_ids])
+        before = dst.storage.clone()
+        with pytest.raises(TransferError, match="not expected"):
+            sender.send(receiver.endpoint, "never", [5], [6])
+        assert torch.equal(dst.storage, before)
+        receiver.expect("after", [6])  # the pair still works after a refusal
+        sender.send(receiver.endpoint, "after", [5], [6])
+        assert torch.equal(dst.layers[0][6], src.layers[0][5])
+    finally:
+        sender.close()
+        receiver.close()

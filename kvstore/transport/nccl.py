@@ -1,0 +1,242 @@
+"""NCCL transport (GPU to GPU): a TCP control connection plus point-to-point NCCL data.
+
+Each (sender, receiver) pair forms its own two-rank process group — sender rank 0,
+receiver rank 1 — through the receiver's ``TCPStore`` under a ``PrefixStore`` named by
+the pair, so prefill and decode pools grow and shrink without one global world and
+without ``init_process_group``. Per transfer the sender writes a ``HEAD`` frame on the
+control connection (transfer id, destination block ids, layer count), then sends each
+layer's gathered blocks with ``send``; the receiver ``recv``s each layer into a staging
+tensor on its device and scatters it into the blocks, then answers ``ACK`` or ``NACK``.
+A transfer the receiver does not expect is still received (the two ranks must match
+sends and receives) but not written.
+
+``backend="gloo"`` runs the same code path on CPU tensors; it exists to test the
+rendezvous and the protocol on machines without GPUs, not as a transport to deploy.
+Endpoint address: ``host:control_port/store_port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache.layout import KVCache
+from kvstore.transport.base import (
+    KVEndpoint,
+    KVReceiver,
+    KVSender,
+    KVTransport,
+    TransferError,
+    TransferStats,
+    check_ids,
+    check_layout,
+    layout_signature,
+)
+from kvstore.transport.tcp import ACK, NACK, read_frame, write_frame
+
+HELLO, HEAD = 5, 6
+_TAG = 0
+
+
+def _group(backend: str, store: dist.Store, rank: int, timeout: float):
+    delta = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = delta
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, delta)
+    raise ValueError(f"unknown process group backend {backend!r}")
+
+
+class NcclReceiver(KVReceiver):
+    def __init__(self, cache: KVCache, host: str, backend: str, timeout: float) -> None:
+        self.cache = cache
+        self.backend = backend
+        self.timeout = timeout
+        self._store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout),
+                                    wait_for_workers=False)  # fmt: skip
+        self._listener = socket.create_server((host, 0))
+        self._expected: dict[str, set[int]] = {}
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        address = f"{host}:{self._listener.getsockname()[1]}/{self._store.port}"
+        self.endpoint = KVEndpoint("nccl", address, layout_signature(cache), cache.num_blocks)
+        self._spawn(self._accept_loop)
+
+    def expect(self, transfer_id: str, dst_block_ids: list[int]) -> None:
+        with self._lock:
+            self._expected[transfer_id] = set(dst_block_ids)
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._expected.pop(transfer_id, None)
+
+    def _spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name="kv-nccl")
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._conns.add(conn)
+            self._spawn(self._serve, conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            hello = read_frame(conn)
+            if hello.kind != HELLO:
+                return
+            group = _group(self.backend, dist.PrefixStore(hello.transfer_id, self._store), 1,
+                           self.timeout)  # fmt: skip
+            write_frame(conn, ACK, hello.transfer_id)
+            while True:
+                head = read_frame(conn)
+                if head.kind != HEAD:
+                    return
+                problem = self._receive(group, head.transfer_id, head.block_ids.tolist(),
+                                        head.layer)  # fmt: skip
+                if problem is None:
+                    write_frame(conn, ACK, head.transfer_id)
+                else:
+                    write_frame(conn, NACK, head.transfer_id, payload=problem.encode())
+        except (OSError, ConnectionError, RuntimeError):
+            pass  # the sender went away (or the group broke): drop what was partial
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def _receive(self, group, tid: str, ids: list[int], num_layers: int) -> str | None:
+        with self._lock:
+            allowed = self._expected.get(tid)
+            ok = allowed is not None and allowed.issuperset(ids)
+        layers = self.cache.layers
+        index = torch.tensor(ids, dtype=torch.long, device=layers[0].device)
+        for i in range(num_layers):
+            layer = layers[i]
+            buf = torch.empty((len(ids), *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
+            group.recv([buf], 0, _TAG).wait()
+            if ok:
+                layer.index_copy_(0, index, buf)
+        if layers[0].is_cuda:
+            torch.cuda.synchronize(layers[0].device)
+        if ok:
+            return None
+        return "transfer not expected (cancelled or timed out) or blocks not its own"
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in list(self._conns):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+class _Pair:
+    def __init__(self, sock: socket.socket, group) -> None:
+        self.sock = sock
+        self.group = group
+        self.lock = threading.Lock()
+
+
+class NcclSender(KVSender):
+    def __init__(self, cache: KVCache, backend: str, timeout: float) -> None:
+        super().__init__(cache)
+        self.backend = backend
+        self.timeout = timeout
+        self._pairs: dict[str, _Pair] = {}
+        self._guard = threading.Lock()
+
+    def send(
+        self,
+        endpoint: KVEndpoint,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        timeout: float = 30.0,
+    ) -> TransferStats:
+        started = time.perf_counter()
+        check_layout(self.cache, endpoint)
+        check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
+        pair = self._pair(endpoint, timeout)
+        layers = self.cache.layers
+        index = torch.tensor(src_block_ids, dtype=torch.long, device=layers[0].device)
+        with pair.lock:
+            try:
+                pair.sock.settimeout(timeout)
+                write_frame(pair.sock, HEAD, transfer_id, len(layers), dst_block_ids)
+                for layer in layers:
+                    pair.group.send([layer.index_select(0, index)], 1, _TAG).wait()
+                reply = read_frame(pair.sock)
+            except (OSError, ConnectionError, RuntimeError) as exc:
+                self._drop(endpoint)
+                raise TransferError(f"KV transfer to {endpoint.address} failed: {exc}") from exc
+        if reply.kind != ACK:
+            reason = bytes(reply.payload).decode(errors="replace")
+            raise TransferError(f"receiver refused transfer {transfer_id}: {reason}")
+        return self._stats(len(src_block_ids), started)
+
+    def _pair(self, endpoint: KVEndpoint, timeout: float) -> _Pair:
+        with self._guard:
+            pair = self._pairs.get(endpoint.address)
+            if pair is not None:
+                return pair
+            control, store_port = endpoint.address.split("/")
+            host, port = control.rsplit(":", 1)
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                name = f"pair-{uuid.uuid4().hex}"
+                write_frame(sock, HELLO, name)
+                store = dist.TCPStore(host, int(store_port), None, False,
+                                      datetime.timedelta(seconds=timeout))  # fmt: skip
+                group = _group(self.backend, dist.PrefixStore(name, store), 0, self.timeout)
+                if read_frame(sock).kind != ACK:
+                    raise ConnectionError("receiver refused the pairing")
+            except (OSError, ConnectionError, RuntimeError) as exc:
+                raise TransferError(f"cannot pair with {endpoint.address}: {exc}") from exc
+            pair = self._pairs[endpoint.address] = _Pair(sock, group)
+            return pair
+
+    def _drop(self, endpoint: KVEndpoint) -> None:
+        with self._guard:
+            pair = self._pairs.pop(endpoint.address, None)
+        if pair is not None:
+            pair.sock.close()
+
+    def close(self) -> None:
+        for pair in self._pairs.values():
+            pair.sock.close()
+        self._pairs.clear()
+
+
+class NcclTransport(KVTransport):
+    name = "nccl"
+
+    def __init__(self, backend: str = "nccl", timeout: float = 60.0) -> None:
+        self.backend = backend
+        self.timeout = timeout
+
+    def receiver(self, cache: KVCache, host: str = "127.0.0.1") -> NcclReceiver:
+        return NcclReceiver(cache, host, self.backend, self.timeout)
+
+    def sender(self, cache: KVCache) -> NcclSender:
+        return NcclSender(cache, self.backend, self.timeout)
