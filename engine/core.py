@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import torch
@@ -52,7 +53,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        progress: bool = False,
+        cache_factory: Callable[[KVCacheLayout, int, str], KVCache] = KVCache,
+        scheduler_cls: type[Scheduler] = Scheduler,
+    ) -> None:
+        """``cache_factory`` and ``scheduler_cls``: what a worker role needs instead of the
+        defaults (a KV cache a transport can write into; ``engine.pd_scheduler``)."""
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -65,7 +74,7 @@ class EngineCore:
         layout = loaded.model.kv_layout(config.cache.block_size, dtype)
         self.config = self._resolve(config, layout)
         cache_cfg = self.config.cache
-        self.kv_cache = KVCache(layout, cache_cfg.num_blocks, config.device)
+        self.kv_cache = cache_factory(layout, cache_cfg.num_blocks, config.device)
         mc = loaded.config
         backend = backend_for(config.device)(
             self.kv_cache, mc.num_heads, mc.num_kv_heads, mc.head_dim, loaded.model.attention_scale
@@ -73,7 +82,7 @@ class EngineCore:
         pool = BlockPool(cache_cfg.num_blocks, cache_cfg.enable_prefix_caching)
         self.kv = KVCacheManager(pool, cache_cfg.block_size)
         self.max_model_len = self.config.scheduler.max_model_len
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, self.max_model_len)
+        self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len)
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
         self._hash_extra = extra_keys(mc.fingerprint)

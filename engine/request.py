@@ -15,6 +15,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    AWAITING_KV = "awaiting_kv"  # decode worker: blocks reserved, KV on its way
     FINISHED = "finished"
 
 

@@ -58,12 +58,21 @@ class KVCacheManager:
         """Give ``req`` the prefix blocks and enough fresh blocks for ``num_new_tokens``
         more tokens, then publish every block those tokens fill. Check ``can_allocate``
         first; this raises MemoryError when the pool is short."""
+        self.reserve(req, num_new_tokens, match)
+        self.publish(req, req.num_computed_tokens + num_new_tokens)
+
+    def reserve(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> None:
+        """``allocate`` without publishing: for blocks whose content arrives later (a KV
+        transfer), which must not be found by a prefix match before it has landed."""
         need = self.blocks_needed(req, num_new_tokens, match)
         self.pool.touch(match.blocks)
         req.blocks.extend(match.blocks)
         req.num_computed_tokens += match.num_tokens
         req.blocks.extend(self.pool.allocate(need))
-        self._publish_full_blocks(req, req.num_computed_tokens + num_new_tokens)
+
+    def publish(self, req: Request, num_tokens: int) -> None:
+        """Publish the full blocks among ``req``'s first ``num_tokens`` tokens."""
+        self._publish_full_blocks(req, num_tokens)
 
     def free(self, req: Request) -> None:
         self.pool.free(list(reversed(req.blocks)))

@@ -1,0 +1,1 @@
+"""Decode worker: receives prompts' KV from prefill workers and generates."""

@@ -1,0 +1,150 @@
+"""The scheduler with what prefill/decode disaggregation adds, as two small pieces.
+
+- **Prefill-only requests** (prefill worker, ``prefill_only``): they finish after their
+  first token with reason ``"prefilled"`` but keep their blocks, in ``held``, until the
+  worker has shipped them and calls ``release``.
+- **Requests whose KV arrives from elsewhere** (decode worker, ``expect_kv``): on ``add``
+  a request whose uncached tail is longer than its threshold is not queued for compute;
+  it waits in ``reserving`` until ``reserve_pending`` can give it blocks for the whole
+  prompt up front (its own prefix-cache hits included, so only the rest needs sending),
+  then sits in ``incoming`` until ``admit_transferred`` enters it as running with the
+  prompt computed and the first token appended. Reserved blocks are published only on
+  admission, so no prefix match finds them before their content has landed. A short
+  tail is queued as an ordinary request: the decode worker prefills it itself.
+
+Everything else — budget, chunked prefill, preemption, stop rules — is ``Scheduler``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from engine.messages import RequestOutput, TokenLogprob
+from engine.plan import NewRequest, StepPlan
+from engine.request import Request, Status
+from engine.scheduler import Scheduler
+
+PREFILLED = "prefilled"
+
+
+class PDScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.prefill_only: set[str] = set()
+        self.held: dict[str, Request] = {}
+        self._kv_expected: dict[str, int] = {}  # request id -> longest tail computed here
+        self.reserving: deque[Request] = deque()
+        self.incoming: dict[str, Request] = {}
+        self._admitted: list[NewRequest] = []
+
+    # -- prefill side --------------------------------------------------------------------
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished prefill-only request."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+
+    # -- decode side ---------------------------------------------------------------------
+
+    def expect_kv(self, request_id: str, local_prefill_tokens: int) -> None:
+        """The next ``add`` of ``request_id`` takes its KV from a prefill worker, unless its
+        uncached tail is at most ``local_prefill_tokens`` long."""
+        self._kv_expected[request_id] = local_prefill_tokens
+
+    def unexpect_kv(self, request_id: str) -> None:
+        """Undo ``expect_kv`` for a request that was refused before its ``add``."""
+        self._kv_expected.pop(request_id, None)
+
+    def add(self, req: Request) -> None:
+        threshold = self._kv_expected.pop(req.request_id, None)
+        if threshold is None:
+            super().add(req)
+            return
+        if req.num_tokens - self.kv.match_prefix(req).num_tokens <= threshold:
+            super().add(req)
+            return
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        req.status = Status.AWAITING_KV
+        self.reserving.append(req)
+
+    def reserve_pending(self) -> list[Request]:
+        """Reserve blocks for queued incoming requests, in order, while they fit."""
+        reserved = []
+        while self.reserving:
+            req = self.reserving[0]
+            match = self.kv.match_prefix(req)
+            n = req.num_tokens - match.num_tokens
+            if not self.kv.can_allocate(req, n, match):
+                break
+            self.reserving.popleft()
+            self.kv.reserve(req, n, match)
+            req.num_cached_tokens = match.num_tokens
+            self.kv.record_lookup(req, match)
+            self.incoming[req.request_id] = req
+            reserved.append(req)
+        return reserved
+
+    def admit_transferred(
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """The KV of ``request_id``'s prompt has landed: run it from its first token."""
+        req = self.incoming.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.publish(req, req.num_prompt_tokens)
+        req.output_token_ids.append(first_token)
+        reason = self._stop_reason(req, first_token)
+        out = RequestOutput(
+            request_id, [first_token], reason, req.num_cached_tokens,
+            None if logprob is None else [logprob], req.stop_token_id,
+        )  # fmt: skip
+        if reason is not None:
+            self._finish(req, reason)
+            return out
+        req.status = Status.RUNNING
+        self.running.append(req)
+        self._known_to_runner.add(request_id)
+        self._admitted.append(
+            NewRequest(request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids)
+        )
+        return out
+
+    # -- the base class's hooks ----------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = super().schedule()
+        if self._admitted:
+            plan = dataclasses.replace(plan, new_requests=self._admitted + plan.new_requests)
+            self._admitted = []
+        return plan
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        reason = super()._stop_reason(req, token)
+        if reason is None and req.request_id in self.prefill_only:
+            return PREFILLED
+        return reason
+
+    def _finish(self, req: Request, reason: str) -> None:
+        rid = req.request_id
+        self.prefill_only.discard(rid)
+        self.incoming.pop(rid, None)
+        if req.status is Status.AWAITING_KV and req in self.reserving:
+            self.reserving.remove(req)
+        self._admitted = [n for n in self._admitted if n.request_id != rid]
+        if reason != PREFILLED:
+            super()._finish(req, reason)
+            return
+        blocks, req.blocks = req.blocks, []  # kept: the worker ships them, then releases
+        super()._finish(req, reason)
+        req.blocks = blocks
+        self.held[rid] = req
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self.held) + len(self.incoming) + len(self.reserving)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity([*self.requests.values(), *self.held.values()])

@@ -1,0 +1,104 @@
+"""The prefill channel: typed messages between the frontend and a prefill worker.
+
+Frontend → worker: ``PrefillRequest``, ``AbortPrefill``, ``Shutdown``.
+Worker → frontend: ``PrefillReady`` (or ``WorkerFailed``) once, then ``PrefillDone`` /
+``PrefillFailed`` (exactly one per request: the decode worker waits for it before it
+frees the blocks it reserved) and ``PrefillStats`` after each step.
+msgspec msgpack; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from engine.messages import EngineStats, TokenLogprob
+from engine.sampling_params import SamplingParams
+from kvstore.events import KVEvent
+from kvstore.transport.base import KVEndpoint
+
+
+class KVDestination(msgspec.Struct, frozen=True):
+    """Where a request's KV goes: the decode worker's receiver and the blocks it reserved
+    for prompt blocks ``skip_blocks ..`` (it holds the first ``skip_blocks`` itself).
+    No transfer starts after ``deadline`` (wall clock): the decode worker gives up then."""
+
+    endpoint: KVEndpoint
+    block_ids: list[int]
+    skip_blocks: int
+    deadline: float
+
+
+class PrefillRequest(msgspec.Struct, tag=True, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    dest: KVDestination
+    arrival_time: float = 0.0
+    cache_salt: str = ""
+
+
+class AbortPrefill(msgspec.Struct, tag=True, frozen=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+PrefillInput = PrefillRequest | AbortPrefill | Shutdown
+
+
+class PrefillReady(msgspec.Struct, tag=True, frozen=True):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    model_name: str
+
+
+class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
+    message: str
+
+
+class PrefillDone(msgspec.Struct, tag=True, frozen=True):
+    """The prompt's KV is in the decode worker's blocks; the first token is this."""
+
+    request_id: str
+    first_token: int
+    logprob: TokenLogprob | None
+    num_cached_tokens: int
+    num_blocks: int
+    num_bytes: int
+    seconds: float  # the transfer alone
+
+
+class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
+    """No KV is coming for this request (aborted, invalid, transfer failed, too late)."""
+
+    request_id: str
+    error: str
+    aborted: bool = False
+
+
+class PrefillStats(msgspec.Struct, tag=True):
+    stats: EngineStats
+    num_transferring: int = 0
+    events: list[KVEvent] = []
+
+
+PrefillMessage = PrefillReady | WorkerFailed | PrefillDone | PrefillFailed | PrefillStats
+
+_input_decoder = msgspec.msgpack.Decoder(PrefillInput)
+_message_decoder = msgspec.msgpack.Decoder(PrefillMessage)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_input(data: bytes) -> PrefillInput:
+    return _input_decoder.decode(data)
+
+
+def decode_message(data: bytes) -> PrefillMessage:
+    return _message_decoder.decode(data)
