@@ -1,0 +1,80 @@
+"""server.structured without a server: request → GrammarSpec, and generated text → tool
+calls, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.sampling_params import GrammarSpec
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.structured import ToolCallMode, ToolCallStream, constraint, tool_calls
+
+ASK = [{"role": "user", "content": "hi"}]
+TOOLS = [
+    {"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "b"}},
+]
+CALLS = '[{"name": "a", "arguments": {"s": "x\\"}{", "n": [1, {"k": 2}]}}, {"name": "b", "arguments": {}}]'  # noqa: E501
+
+
+def chat(**body) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": ASK, **body})
+
+
+def test_response_format_and_structured_outputs_become_specs():
+    schema = {"type": "object", "properties": {"z": {}, "a": {}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    c = constraint(chat(response_format=fmt))
+    assert c.grammar == GrammarSpec("json", '{"type":"object","properties":{"z":{},"a":{}}}')
+    assert constraint(chat(response_format={"type": "text"})).grammar is None
+    assert constraint(chat(response_format={"type": "json_object"})).grammar.kind == "json"
+    c = constraint(CompletionRequest(prompt="x", structured_outputs={"choice": ["a", 'b"c']}))
+    assert c.grammar == GrammarSpec("grammar", 'root ::= "a" | "b\\"c"')
+    assert constraint(chat(structured_outputs={"regex": "x+"})).grammar.kind == "regex"
+    assert constraint(chat(tools=TOOLS, tool_choice="auto")).grammar is None
+
+
+def test_two_constraints_are_a_400():
+    with pytest.raises(APIError, match="only one of") as info:
+        constraint(chat(response_format={"type": "json_object"}, tools=TOOLS,
+                        tool_choice="required"))  # fmt: skip
+    assert info.value.status == 400
+
+
+def test_forced_tool_choice_schemas():
+    named = constraint(chat(tools=TOOLS, tool_choice={"type": "function",
+                                                      "function": {"name": "b"}}))  # fmt: skip
+    assert named.tool_calls == ToolCallMode("b")
+    assert json.loads(named.grammar.value) == {"type": "object", "properties": {}}
+    required = constraint(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
+    schema = json.loads(required.grammar.value)
+    assert required.tool_calls == ToolCallMode() and schema["maxItems"] == 1
+    names = [b["properties"]["name"]["const"] for b in schema["items"]["anyOf"]]
+    assert names == ["a", "b"]
+
+
+def test_tool_calls_from_the_whole_text():
+    calls = tool_calls(CALLS, ToolCallMode())
+    assert [c.function.name for c in calls] == ["a", "b"]
+    assert json.loads(calls[0].function.arguments) == {"s": 'x"}{', "n": [1, {"k": 2}]}
+    assert calls[1].function.arguments == "{}"
+    assert len({c.id for c in calls}) == 2
+    (only,) = tool_calls('{"q": 1}', ToolCallMode("b"))
+    assert (only.function.name, only.function.arguments) == ("b", '{"q": 1}')
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, len(CALLS)])
+def test_streamed_deltas_add_up_to_the_calls(step):
+    stream = ToolCallStream(ToolCallMode())
+    deltas = []
+    for i in range(0, len(CALLS), step):
+        deltas += stream.feed(CALLS[i : i + step])
+    heads = [d for d in deltas if d.id is not None]
+    assert [(h.index, h.type, h.function.name) for h in heads] == [(0, "function", "a"),
+                                                                  (1, "function", "b")]  # fmt: skip
+    for index, call in enumerate(tool_calls(CALLS, ToolCallMode())):
+        args = "".join(d.function.arguments or "" for d in deltas if d.index == index)
+        assert args == call.function.arguments
