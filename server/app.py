@@ -5,7 +5,8 @@
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
-- ``GET /health`` (200 while the engine is healthy, else 503), ``GET /metrics``.
+- ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
+  body lists each worker and whether it is alive), ``GET /metrics``.
 
 A non-streaming request whose client disconnects is cancelled, which aborts its engine
 requests; a streaming one is cancelled by Starlette when the client goes away.
@@ -55,6 +56,8 @@ class EngineLifecycle(EngineLike, Protocol):
 
 def create_app(config: ServerConfig, client: EngineLifecycle) -> FastAPI:
     metrics = Metrics(lambda: getattr(client, "stats", None))
+    for collector in getattr(client, "collectors", list)():  # a worker pool's own metrics
+        metrics.registry.register(collector)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,8 +93,11 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        healthy = request.app.state.client.is_healthy
-        return Response(status_code=200 if healthy else 503)
+        client = request.app.state.client
+        status = 200 if client.is_healthy else 503
+        if hasattr(client, "health"):  # a worker pool: which workers are alive
+            return Response(json.dumps(client.health()), status, media_type="application/json")
+        return Response(status_code=status)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,4 +1,8 @@
-"""``ferry serve``: one engine process behind the OpenAI-compatible HTTP server.
+"""``ferry serve``: prefill and decode workers (or one engine) behind the OpenAI server.
+
+By default the frontend runs one prefill and one decode worker process and moves KV
+between them (``--prefill N --decode M``, ``--kv-transport``); ``--aggregated`` runs one
+engine process that does both.
 
 Flags build a frozen ``EngineConfig`` and ``ServerConfig``; uvicorn runs the app, whose
 lifespan starts the engine and stops it on SIGINT/SIGTERM. When the socket is bound
@@ -15,6 +19,7 @@ from typing import Any
 
 from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
+from router.config import PDConfig
 from server.config import ServerConfig
 
 log = logging.getLogger("ferry.server")
@@ -43,6 +48,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
     p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
+    topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
+    topo.add_argument("--aggregated", action="store_true",
+                      help="one engine process does prefill and decode (no KV transfer)")
+    topo.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
+    topo.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
+    topo.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"], default="shm",
+                      help="how KV moves from prefill to decode workers")
+    topo.add_argument("--local-prefill-tokens", type=int, default=16,
+                      help="a decode worker prefills a prompt itself when at most this many "
+                           "of its tokens are not in its prefix cache")
+    topo.add_argument("--kv-transfer-timeout", type=float, default=120.0,
+                      help="seconds a decode worker keeps blocks reserved for KV to arrive")
     return p  # fmt: skip
 
 
@@ -75,6 +92,19 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def pd_config(args: argparse.Namespace) -> PDConfig | None:
+    """The disaggregated topology, or None with ``--aggregated``."""
+    if args.aggregated:
+        return None
+    return PDConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        transport=args.kv_transport,
+        local_prefill_tokens=args.local_prefill_tokens,
+        transfer_timeout_s=args.kv_transfer_timeout,
+    )
+
+
 def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
@@ -90,17 +120,19 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return asyncio.run(serve(config, engine_config(args)))
+    return asyncio.run(serve(config, engine_config(args), pd_config(args)))
 
 
-async def serve(config: ServerConfig, engine: EngineConfig) -> int:
-    """Run until SIGINT/SIGTERM; returns the process exit code."""
+async def serve(config: ServerConfig, engine: EngineConfig, pd: PDConfig | None = None) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit code. ``pd``: prefill and decode
+    worker pools; None: one engine process."""
     import uvicorn
 
     from engine.client import EngineClient
+    from router.disagg import DisaggClient
     from server.app import create_app
 
-    client = EngineClient(engine)
+    client = EngineClient(engine) if pd is None else DisaggClient(engine, pd)
     app = create_app(config, client)
     server = uvicorn.Server(
         uvicorn.Config(

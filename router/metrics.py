@@ -1,0 +1,73 @@
+"""Prometheus metrics of the disaggregated topology, registered in the frontend's registry
+(``server.metrics.Metrics``): KV transferred, transfer latency, per-role queue depths."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_TRANSFER_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class TransferMetrics:
+    """Counters fed by the frontend as prefill workers report finished transfers."""
+
+    def __init__(self) -> None:
+        self.bytes = Counter("ferry_kv_transfer_bytes", "KV bytes moved from prefill to decode",
+                             registry=None)  # fmt: skip
+        self.blocks = Counter("ferry_kv_transfer_blocks", "KV blocks moved from prefill to decode",
+                              registry=None)  # fmt: skip
+        self.seconds = Histogram(
+            "ferry_kv_transfer_seconds", "Time to move one request's KV",
+            buckets=_TRANSFER_BUCKETS, registry=None,
+        )  # fmt: skip
+        self.failures = Counter("ferry_kv_transfer_failures", "KV transfers that failed",
+                                registry=None)  # fmt: skip
+        self.kv_events = Counter("ferry_kv_events", "KV events published by workers",
+                                 ["role", "kind"], registry=None)  # fmt: skip
+
+    def record(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        if num_blocks:
+            self.bytes.inc(num_bytes)
+            self.blocks.inc(num_blocks)
+            self.seconds.observe(seconds)
+
+    def collectors(self) -> list[Collector]:
+        return [self.bytes, self.blocks, self.seconds, self.failures, self.kv_events]
+
+
+class WorkerQueueCollector(Collector):
+    """Per-worker queue depths and health, read from the workers' latest stats."""
+
+    def __init__(self, workers: Callable[[], list]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "worker"]
+        families = {
+            "waiting": GaugeMetricFamily("ferry_worker_requests_waiting",
+                                         "Requests queued in a worker", labels=labels),
+            "running": GaugeMetricFamily("ferry_worker_requests_running",
+                                         "Requests a worker is running", labels=labels),
+            "transferring": GaugeMetricFamily(
+                "ferry_worker_requests_transferring",
+                "Requests whose KV is reserved for or in a transfer", labels=labels),
+            "healthy": GaugeMetricFamily("ferry_worker_healthy", "1 while a worker is alive",
+                                         labels=labels),
+        }  # fmt: skip
+        for w in self._workers():
+            key = [w.role, w.name]
+            stats = w.stats
+            families["waiting"].add_metric(key, stats.num_waiting if stats else 0)
+            families["running"].add_metric(key, stats.num_running if stats else 0)
+            families["transferring"].add_metric(key, w.num_transferring)
+            families["healthy"].add_metric(key, 1 if w.alive else 0)
+        yield from families.values()
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

@@ -1,0 +1,33 @@
+"""``ferry serve`` topology flags → ``PDConfig`` (or None for ``--aggregated``)."""
+
+import pytest
+
+from router.config import PDConfig
+from server import serve
+from server.cli import build_parser
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_default_topology_is_one_prefill_and_one_decode_worker_over_shm():
+    assert serve.pd_config(parse()) == PDConfig()
+    assert PDConfig().num_prefill == 1 and PDConfig().num_decode == 1
+    assert PDConfig().transport == "shm"
+
+
+def test_topology_flags():
+    flags = ["--prefill", "2", "--decode", "3", "--kv-transport", "tcp",
+             "--local-prefill-tokens", "0", "--kv-transfer-timeout", "5"]  # fmt: skip
+    pd = serve.pd_config(parse(*flags))
+    assert pd == PDConfig(num_prefill=2, num_decode=3, transport="tcp", local_prefill_tokens=0,
+                          transfer_timeout_s=5.0)  # fmt: skip
+    assert serve.pd_config(parse("--aggregated")) is None
+
+
+def test_bad_topology_is_refused():
+    with pytest.raises(ValueError):
+        serve.pd_config(parse("--decode", "0"))
+    with pytest.raises(SystemExit):
+        parse("--kv-transport", "pigeon")
