@@ -56,6 +56,13 @@ def _group(backend: str, store: dist.Store, rank: int, timeout: float):
     raise ValueError(f"unknown process group backend {backend!r}")
 
 
+def _use_device(cache: KVCache) -> None:
+    """Make the cache's GPU current in this thread (threads start on device 0)."""
+    device = cache.layers[0].device
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class NcclReceiver(KVReceiver):
     def __init__(self, cache: KVCache, host: str, backend: str, timeout: float) -> None:
         self.cache = cache
@@ -97,6 +104,7 @@ class NcclReceiver(KVReceiver):
             self._spawn(self._serve, conn)
 
     def _serve(self, conn: socket.socket) -> None:
+        _use_device(self.cache)
         try:
             hello = read_frame(conn)
             if hello.kind != HELLO:
@@ -176,6 +184,7 @@ class NcclSender(KVSender):
         started = time.perf_counter()
         check_layout(self.cache, endpoint)
         check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
+        _use_device(self.cache)
         pair = self._pair(endpoint, timeout)
         layers = self.cache.layers
         index = torch.tensor(src_block_ids, dtype=torch.long, device=layers[0].device)
