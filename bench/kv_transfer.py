@@ -53,6 +53,10 @@ rx.close()
 """
 
 
+def _pythonpath() -> str:
+    return os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+
+
 def _median(fn, repeats: int) -> float:
     fn()
     times = []
@@ -100,7 +104,7 @@ def dist_send_recv_gbps(sizes_bytes: list[int], repeats: int) -> dict[int, float
     """torch.distributed's own NCCL send/recv between two GPUs (rank 0 → rank 1)."""
     import statistics as st
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1",
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29531"}  # fmt: skip
     arg = ",".join(str(n) for n in sizes_bytes)
     procs = [
@@ -118,7 +122,7 @@ def dist_send_recv_gbps(sizes_bytes: list[int], repeats: int) -> dict[int, float
 
 
 def backend_gbps(name: str, sizes: list[int], repeats: int, device: str = "cpu") -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
     peer = "cuda:1" if device.startswith("cuda") else "cpu"
     child = subprocess.Popen([sys.executable, "-c", _RECEIVER, name, peer], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)  # fmt: skip

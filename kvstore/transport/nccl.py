@@ -4,9 +4,11 @@ Each (sender, receiver) pair forms its own two-rank process group — sender ran
 receiver rank 1 — through the receiver's ``TCPStore`` under a ``PrefixStore`` named by
 the pair, so prefill and decode pools grow and shrink without one global world and
 without ``init_process_group``. Per transfer the sender writes a ``HEAD`` frame on the
-control connection (transfer id, destination block ids, layer count), then sends each
-layer's gathered blocks with ``send``; the receiver ``recv``s each layer into a staging
-tensor on its device and scatters it into the blocks, then answers ``ACK`` or ``NACK``.
+control connection (transfer id, destination block ids, layer count), then sends the
+gathered blocks in chunks of consecutive layers (``chunks``: up to ``CHUNK_BYTES`` each,
+so a small transfer is one NCCL op and a large one streams layer group by layer group);
+the receiver ``recv``s each chunk into a staging tensor on its device and scatters it
+into the blocks, then answers ``ACK`` or ``NACK``.
 A transfer the receiver does not expect is still received (the two ranks must match
 sends and receives) but not written.
 
@@ -35,6 +37,7 @@ from kvstore.transport.base import (
     KVTransport,
     TransferError,
     TransferStats,
+    block_bytes,
     check_ids,
     check_layout,
     layout_signature,
@@ -43,6 +46,7 @@ from kvstore.transport.tcp import ACK, NACK, read_frame, write_frame
 
 HELLO, HEAD = 5, 6
 _TAG = 0
+CHUNK_BYTES = 64 << 20  # one send carries this many bytes of consecutive layers, at most
 
 
 def _group(backend: str, store: dist.Store, rank: int, timeout: float):
@@ -54,6 +58,14 @@ def _group(backend: str, store: dist.Store, rank: int, timeout: float):
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, 2, delta)
     raise ValueError(f"unknown process group backend {backend!r}")
+
+
+def chunks(cache: KVCache, num_blocks: int, num_layers: int) -> list[tuple[int, int]]:
+    """Runs of consecutive layers, each at most ``CHUNK_BYTES`` of the transfer (at least
+    one layer): one send/recv each, so small transfers are one NCCL op, not one per layer."""
+    per_layer = max(1, num_blocks * block_bytes(cache.layout))
+    step = max(1, CHUNK_BYTES // per_layer)
+    return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
 
 
 def _use_device(cache: KVCache) -> None:
@@ -132,16 +144,17 @@ class NcclReceiver(KVReceiver):
         with self._lock:
             allowed = self._expected.get(tid)
             ok = allowed is not None and allowed.issuperset(ids)
-        layers = self.cache.layers
-        index = torch.tensor(ids, dtype=torch.long, device=layers[0].device)
-        for i in range(num_layers):
-            layer = layers[i]
-            buf = torch.empty((len(ids), *layer.shape[1:]), dtype=layer.dtype, device=layer.device)
+        storage = self.cache.storage
+        index = torch.tensor(ids, dtype=torch.long, device=storage.device)
+        for start, end in chunks(self.cache, len(ids), num_layers):
+            part = storage[start:end]
+            buf = torch.empty((end - start, len(ids), *part.shape[2:]), dtype=part.dtype,
+                              device=part.device)  # fmt: skip
             group.recv([buf], 0, _TAG).wait()
             if ok:
-                layer.index_copy_(0, index, buf)
-        if layers[0].is_cuda:
-            torch.cuda.synchronize(layers[0].device)
+                part.index_copy_(1, index, buf)
+        if storage.is_cuda:
+            torch.cuda.synchronize(storage.device)
         if ok:
             return None
         return "transfer not expected (cancelled or timed out) or blocks not its own"
@@ -186,14 +199,16 @@ class NcclSender(KVSender):
         check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
         _use_device(self.cache)
         pair = self._pair(endpoint, timeout)
-        layers = self.cache.layers
-        index = torch.tensor(src_block_ids, dtype=torch.long, device=layers[0].device)
+        storage = self.cache.storage
+        index = torch.tensor(src_block_ids, dtype=torch.long, device=storage.device)
+        n_layers = storage.shape[0]
         with pair.lock:
             try:
                 pair.sock.settimeout(timeout)
-                write_frame(pair.sock, HEAD, transfer_id, len(layers), dst_block_ids)
-                for layer in layers:
-                    pair.group.send([layer.index_select(0, index)], 1, _TAG).wait()
+                write_frame(pair.sock, HEAD, transfer_id, n_layers, dst_block_ids)
+                for start, end in chunks(self.cache, len(src_block_ids), n_layers):
+                    data = storage[start:end].index_select(1, index)
+                    pair.group.send([data], 1, _TAG).wait()
                 reply = read_frame(pair.sock)
             except (OSError, ConnectionError, RuntimeError) as exc:
                 self._drop(endpoint)

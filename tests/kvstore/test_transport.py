@@ -202,7 +202,11 @@ def test_shm_segment_is_released_when_both_ends_let_go():
 # in bench/kv_transfer.py --backends nccl.
 
 
-def test_nccl_code_path_with_gloo_round_trip_and_refusal():
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 1], ids=["one-chunk", "per-layer"])
+def test_nccl_code_path_with_gloo_round_trip_and_refusal(monkeypatch, chunk_bytes):
+    from kvstore.transport import nccl as nccl_mod
+
+    monkeypatch.setattr(nccl_mod, "CHUNK_BYTES", chunk_bytes)
     transport = get_transport("nccl", backend="gloo", timeout=20)
     dst = transport.allocate_cache(LAYOUT, 24, "cpu")
     receiver = transport.receiver(dst)
