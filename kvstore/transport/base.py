@@ -68,6 +68,21 @@ def block_bytes(layout: KVCacheLayout) -> int:
     return layout.bytes_per_block // layout.num_layers
 
 
+CHUNK_BYTES = 8 << 20  # a chunk of consecutive layers moved as one unit, at most
+
+
+def layer_chunks(
+    cache: KVCache, num_blocks: int, chunk_bytes: int | None = None
+) -> list[tuple[int, int]]:
+    """Runs ``[start, end)`` of consecutive layers whose ``num_blocks`` blocks make at most
+    ``chunk_bytes`` (at least one layer each): small transfers move in one piece, large
+    ones layer group by layer group."""
+    per_layer = max(1, num_blocks * block_bytes(cache.layout))
+    step = max(1, (chunk_bytes or CHUNK_BYTES) // per_layer)
+    n = cache.layout.num_layers
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
+
+
 def check_ids(src: list[int], dst: list[int], num_blocks: int) -> None:
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source blocks but {len(dst)} destinations")

@@ -37,9 +37,9 @@ from kvstore.transport.base import (
     KVTransport,
     TransferError,
     TransferStats,
-    block_bytes,
     check_ids,
     check_layout,
+    layer_chunks,
     layout_signature,
 )
 from kvstore.transport.tcp import ACK, NACK, read_frame, write_frame
@@ -61,11 +61,9 @@ def _group(backend: str, store: dist.Store, rank: int, timeout: float):
 
 
 def chunks(cache: KVCache, num_blocks: int, num_layers: int) -> list[tuple[int, int]]:
-    """Runs of consecutive layers, each at most ``CHUNK_BYTES`` of the transfer (at least
-    one layer): one send/recv each, so small transfers are one NCCL op, not one per layer."""
-    per_layer = max(1, num_blocks * block_bytes(cache.layout))
-    step = max(1, CHUNK_BYTES // per_layer)
-    return [(i, min(i + step, num_layers)) for i in range(0, num_layers, step)]
+    """Runs of consecutive layers, each at most ``CHUNK_BYTES`` of the transfer: one
+    send/recv each, so a small transfer is one NCCL op, not one per layer."""
+    return layer_chunks(cache, num_blocks, CHUNK_BYTES)
 
 
 def _use_device(cache: KVCache) -> None:

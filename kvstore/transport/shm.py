@@ -2,8 +2,9 @@
 
 The receiving cache lives in a memfd (anonymous shared memory that disappears with its
 last user, so a dead process leaks nothing); its endpoint is ``/proc/<pid>/fd/<fd>``.
-A sender maps it once and copies each layer's blocks with one indexed copy: no staging,
-no bytes on a wire, hence no checksum. Peer death is detected through the receiver's pid
+A sender maps it once and copies the blocks with one gather and one scatter per chunk of
+consecutive layers (``layer_chunks``): no staging segment, no bytes on a wire, hence no
+checksum. Peer death is detected through the receiver's pid
 before and after each transfer; the mapping of a dead peer is dropped. ``forget`` cannot
 stop a copy already running: the pairing protocol gives every transfer a deadline after
 which the sender does not start it (see ``prefill.worker``).
@@ -28,6 +29,7 @@ from kvstore.transport.base import (
     TransferStats,
     check_ids,
     check_layout,
+    layer_chunks,
     layout_signature,
 )
 
@@ -87,8 +89,8 @@ class ShmSender(KVSender):
         check_ids(src_block_ids, dst_block_ids, dest.shape[1])
         src = torch.tensor(src_block_ids, dtype=torch.long)
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
-        for layer, dest_layer in zip(self.cache.layers, dest.unbind(0)):
-            dest_layer.index_copy_(0, dst, layer.index_select(0, src))
+        for start, end in layer_chunks(self.cache, len(src_block_ids)):
+            dest[start:end].index_copy_(1, dst, self.cache.storage[start:end].index_select(1, src))
         if not _alive(endpoint.pid):
             self._drop(endpoint)
             raise TransferError(f"receiver pid {endpoint.pid} died during the transfer")

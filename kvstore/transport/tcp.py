@@ -1,13 +1,16 @@
 """TCP transport (any host): framed, checksummed, back-pressured, TCP_NODELAY.
 
 One connection per sender/receiver pair, one transfer at a time on it. A transfer is one
-``DATA`` frame per layer, then ``END``; the receiver answers ``ACK`` once every layer is
-in place or ``NACK`` with the reason. Each frame carries the destination block ids and
-an xxh3-64 checksum over ids and payload; the receiver verifies it before writing into
-its cache, and only writes into blocks announced by ``expect``. Back-pressure is TCP's
-own (``sendall`` blocks while the receiver is behind) plus the one-transfer window.
+``DATA`` frame per chunk of consecutive layers (``layer_chunks``: up to 8 MB, so a small
+transfer is one frame and a large one streams layer group by layer group), then ``END``;
+the receiver answers ``ACK`` once every layer is in place or ``NACK`` with the reason.
+Each frame carries the destination block ids and an xxh3-64 checksum over ids and
+payload; the receiver verifies it before writing into its cache, and only writes into
+blocks announced by ``expect``. Back-pressure is TCP's own (``sendall`` blocks while the
+receiver is behind) plus the one-transfer window.
 
-Frame header (little endian): magic ``FKV1``, kind (u8), layer (u32), block count (u32),
+Frame header (little endian): magic ``FKV1``, kind (u8), first layer (u32; in ``END``:
+the layer count), block count (u32),
 transfer id length (u32), payload length (u64), checksum (u64); then the transfer id
 (UTF-8), the block ids (i32 each) and the payload.
 """
@@ -36,6 +39,7 @@ from kvstore.transport.base import (
     block_bytes,
     check_ids,
     check_layout,
+    layer_chunks,
     layout_signature,
 )
 
@@ -159,21 +163,21 @@ class TcpReceiver(KVReceiver):
     def _serve(self, conn: socket.socket) -> None:
         buffer = bytearray()
         failed: dict[str, str] = {}
-        layers: dict[str, set[int]] = {}
+        layers: dict[str, int] = {}  # layers written so far, per transfer
         try:
             while True:
                 frame = read_frame(conn, buffer)
                 if frame.kind == DATA:
-                    problem = self._write(frame)
+                    written, problem = self._write(frame)
                     if problem:
                         failed.setdefault(frame.transfer_id, problem)
                     else:
-                        layers.setdefault(frame.transfer_id, set()).add(frame.layer)
+                        layers[frame.transfer_id] = layers.get(frame.transfer_id, 0) + written
                 elif frame.kind == END:
-                    done = layers.pop(frame.transfer_id, set())
+                    done = layers.pop(frame.transfer_id, 0)
                     problem = failed.pop(frame.transfer_id, None)
-                    if problem is None and len(done) != frame.layer:
-                        problem = f"got {len(done)} of {frame.layer} layers"
+                    if problem is None and done != frame.layer:
+                        problem = f"got {done} of {frame.layer} layers"
                     if problem is None:
                         write_frame(conn, ACK, frame.transfer_id)
                     else:
@@ -186,20 +190,23 @@ class TcpReceiver(KVReceiver):
             self._conns.discard(conn)
             conn.close()
 
-    def _write(self, frame: Frame) -> str | None:
+    def _write(self, frame: Frame) -> tuple[int, str | None]:
+        """Verify one frame (a run of layers from ``frame.layer``) and write it; returns
+        how many layers it held, or why it was refused."""
         ids = frame.block_ids
         if checksum(ids.tobytes(), frame.payload) != frame.checksum:
-            return f"checksum mismatch in layer {frame.layer}"
+            return 0, f"checksum mismatch in the frame of layer {frame.layer}"
         if not self._allowed(frame.transfer_id, ids):
-            return "transfer not expected (cancelled or timed out) or blocks not its own"
-        if frame.layer >= len(self.cache.layers):
-            return f"layer {frame.layer} out of range"
-        layer = self.cache.layers[frame.layer]
-        if len(frame.payload) != len(ids) * block_bytes(self.cache.layout):
-            return "payload size does not match the block count"
-        src = torch.frombuffer(frame.payload, dtype=torch.uint8).view(layer.dtype)
-        layer.index_copy_(0, torch.from_numpy(ids.astype(np.int64)), src.view(-1, *layer.shape[1:]))
-        return None
+            return 0, "transfer not expected (cancelled or timed out) or blocks not its own"
+        per_layer = len(ids) * block_bytes(self.cache.layout)
+        count, rest = divmod(len(frame.payload), per_layer) if per_layer else (0, 1)
+        if rest or not count or frame.layer + count > len(self.cache.layers):
+            return 0, "payload size does not match the block and layer counts"
+        part = self.cache.storage[frame.layer : frame.layer + count]
+        src = torch.frombuffer(frame.payload, dtype=torch.uint8).view(part.dtype)
+        index = torch.from_numpy(ids.astype(np.int64))
+        part.index_copy_(1, index, src.view(count, len(ids), *part.shape[2:]))
+        return count, None
 
     def close(self) -> None:
         self._closed = True
@@ -252,9 +259,10 @@ class TcpSender(KVSender):
 
     def _stream(self, sock: socket.socket, tid: str, src: list[int], dst: list[int]) -> None:
         index = torch.tensor(src, dtype=torch.long)
-        for i, layer in enumerate(self.cache.layers):
-            data = layer.index_select(0, index).reshape(-1).view(torch.uint8).numpy()
-            write_frame(sock, DATA, tid, i, dst, memoryview(data))
+        storage = self.cache.storage
+        for start, end in layer_chunks(self.cache, len(src)):
+            data = storage[start:end].index_select(1, index).reshape(-1).view(torch.uint8)
+            write_frame(sock, DATA, tid, start, dst, memoryview(data.numpy()))
         write_frame(sock, END, tid, len(self.cache.layers))
 
     def _connect(self, endpoint: KVEndpoint, timeout: float) -> socket.socket:
