@@ -29,7 +29,6 @@ from engine.sampling_params import GrammarSpec, SamplingParams
 from server.errors import APIError, engine_unavailable, invalid_request, model_not_found
 from server.metrics import Metrics
 from server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -50,11 +49,11 @@ from server.protocol import (
 )
 from server.structured import (
     Constraint,
+    ReplyStream,
     ToolCallMode,
-    ToolCallStream,
     check_constraint,
     constraint,
-    tool_calls,
+    read_reply,
 )
 from server.text import TextDelta, TextStream
 
@@ -103,7 +102,7 @@ class Job:
     model: str
     prompts: list[PromptInput]
     choices: list[ChoiceSpec]
-    tool_calls: ToolCallMode | None = None  # a forced tool call: render text as tool_calls
+    tool_calls: ToolCallMode | None = None  # how to read tool calls out of the text
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -162,7 +161,7 @@ class Serving:
 
     async def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         self._check_ready(req.model)
-        wanted = constraint(req)
+        wanted = constraint(req, getattr(self.tokenizer, "chat_template", None))
         await check_constraint(wanted)
         messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -251,7 +250,8 @@ class Serving:
         """``n`` choices per prompt; choice ``i`` of prompt ``p`` has index ``p * n + i``.
         Stop strings do not apply to a forced tool call (they would cut its JSON)."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        stop = [] if wanted.tool_calls else req.stop_strings
+        forced = wanted.tool_calls is not None and wanted.tool_calls.forced
+        stop = [] if forced else req.stop_strings
         choices = []
         for p in range(len(prompts)):
             for i in range(req.n):
@@ -492,29 +492,15 @@ class ChatRenderer:
                 texts[ev.index].append(ev.text)
                 logprobs[ev.index] += ev.logprobs or []
                 finish[ev.index] = ev.finish_reason
-        choices = [
-            ChatChoice(
-                index=i,
-                message=self._message("".join(texts[i]), finish.get(i)),
-                logprobs=self._logprobs(logprobs[i]),
-                finish_reason=self._finish_reason(finish.get(i)),
-            )
-            for i in sorted(texts)
-        ]
+        choices = []
+        for i in sorted(texts):
+            message, reason = read_reply("".join(texts[i]), self.job.tool_calls, finish.get(i))
+            lp = self._logprobs(logprobs[i])
+            choices.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=reason))
         return ChatCompletionResponse(
             id=self.job.request_id, created=self.job.created, model=self.job.model,
             choices=choices, usage=tally.usage(),
         )  # fmt: skip
-
-    def _message(self, text: str, finish: str | None) -> AssistantMessage:
-        mode = self.job.tool_calls
-        if mode is None or finish != "stop":
-            return AssistantMessage(content=text)
-        return AssistantMessage(content=None, tool_calls=tool_calls(text, mode))
-
-    def _finish_reason(self, finish: str | None) -> str | None:
-        """A forced tool call that completed finishes with ``tool_calls``, as OpenAI's do."""
-        return "tool_calls" if self.job.tool_calls and finish == "stop" else finish
 
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -524,7 +510,7 @@ class ChatRenderer:
     async def stream(self) -> AsyncIterator[str]:
         tally = Tally(self.job)
         mode = self.job.tool_calls
-        calls = {c.index: ToolCallStream(mode) for c in self.job.choices} if mode else {}
+        replies = {c.index: ReplyStream(mode) for c in self.job.choices}
         try:
             for spec in self.job.choices:
                 delta = ChatDelta(role="assistant", content=None if mode else "")
@@ -532,27 +518,25 @@ class ChatRenderer:
             async with aclosing(self.serving.events(self.job)) as events:
                 async for ev in events:
                     tally.add(ev)
-                    delta = self._delta(ev.text, calls.get(ev.index))
+                    reply = replies[ev.index]
+                    delta = reply.feed(ev.text, final=ev.finish_reason is not None)
                     if delta.content or delta.tool_calls or ev.finish_reason or ev.logprobs:
-                        yield self._chunk([self._chunk_choice(ev, delta)])
+                        finish = reply.finish_reason(ev.finish_reason)
+                        yield self._chunk([self._chunk_choice(ev, delta, finish)])
             if self.req.include_usage:
                 yield self._chunk([], tally.usage())
         except Exception as exc:
             yield error_event(as_api_error(exc))
         yield SSE_DONE
 
-    @staticmethod
-    def _delta(text: str, calls: ToolCallStream | None) -> ChatDelta:
-        if calls is None:
-            return ChatDelta(content=text or None)
-        return ChatDelta(tool_calls=calls.feed(text) or None)
-
-    def _chunk_choice(self, ev: ChoiceEvent, delta: ChatDelta) -> ChatChunkChoice:
+    def _chunk_choice(
+        self, ev: ChoiceEvent, delta: ChatDelta, finish: str | None
+    ) -> ChatChunkChoice:
         return ChatChunkChoice(
             index=ev.index,
             delta=delta,
             logprobs=self._logprobs(ev.logprobs or []),
-            finish_reason=self._finish_reason(ev.finish_reason),
+            finish_reason=finish,
         )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:

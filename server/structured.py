@@ -13,8 +13,10 @@ Forced tool calls are generated as JSON and come back as OpenAI ``tool_calls``:
 
 ``ToolCallStream`` follows that text as it grows and yields OpenAI's tool-call deltas
 (the first per call with ``id``, ``type`` and the name, then argument text).
-``tool_choice="auto"`` and ``"none"`` constrain nothing: the tools go to the chat
-template and the reply is plain text (see the README).
+``tool_choice="auto"`` (or no tool_choice) and ``"none"`` constrain nothing: the tools go
+to the chat template. With ``auto``, when the template has a tool-call markup
+(``server.tool_markup``) the reply is read for calls in it; otherwise it is plain text.
+``read_reply`` and ``ReplyStream`` give a choice's message and deltas in every case.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ from typing import Any
 
 from engine.sampling_params import GrammarSpec
 from engine.structured import JSON_OBJECT_SCHEMA, GrammarError, check, json_spec
+from server import tool_markup
 from server.errors import invalid_request
 from server.protocol import (
+    AssistantMessage,
     ChatCompletionRequest,
+    ChatDelta,
     FunctionCall,
     FunctionCallDelta,
     NamedToolChoice,
@@ -43,10 +48,16 @@ _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True)
 class ToolCallMode:
-    """How generated text maps to tool calls: ``function`` set → the text is that
-    function's arguments; None → the text is a JSON array of ``{name, arguments}``."""
+    """How generated text maps to tool calls. Forced: ``function`` set → the text is that
+    function's arguments; None → the text is a JSON array of ``{name, arguments}``.
+    ``markup``: calls may appear in the chat template's markup, the rest is content."""
 
     function: str | None = None
+    markup: bool = False
+
+    @property
+    def forced(self) -> bool:
+        return not self.markup
 
 
 @dataclass(frozen=True)
@@ -56,14 +67,20 @@ class Constraint:
     param: str | None = None  # the request field it came from (for error messages)
 
 
-def constraint(req: SamplingFields) -> Constraint:
-    """What ``req`` asks the generated text to be; raises a 400 on a contradiction."""
+def constraint(req: SamplingFields, template: str | None = None) -> Constraint:
+    """What ``req`` asks the generated text to be; raises a 400 on a contradiction.
+    ``template``: the chat template, whose tool-call markup ``tool_choice="auto"`` reads."""
     found = [c for c in (_from_response_format(req), _from_structured_outputs(req),
                          _from_tool_choice(req)) if c.grammar is not None]  # fmt: skip
     if len(found) > 1:
         names = " and ".join(str(c.param) for c in found)
         raise invalid_request(f"only one of {names} may constrain the output", found[1].param)
-    return found[0] if found else Constraint()
+    if found:
+        return found[0]
+    auto = isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none"
+    if auto and tool_markup.template_has_markup(template):
+        return Constraint(tool_calls=ToolCallMode(markup=True), param="tool_choice")
+    return Constraint()
 
 
 async def check_constraint(c: Constraint) -> None:
@@ -240,3 +257,42 @@ class ToolCallStream:
         calls = _scan_calls(self.text)
         args = {id(c): a for c, a in _arguments(self.text, calls)}
         return [(c.name, args.get(id(c), "")) for c in calls]
+
+
+def read_reply(
+    text: str, mode: ToolCallMode | None, finish: str | None
+) -> tuple[AssistantMessage, str | None]:
+    """A finished choice's message and finish reason (``tool_calls`` when it made calls
+    and stopped by itself, as OpenAI reports them)."""
+    if mode is None:
+        return AssistantMessage(content=text), finish
+    if mode.markup:
+        content, calls = tool_markup.parse(text)
+    elif finish == "stop":
+        content, calls = None, tool_calls(text, mode)
+    else:  # cut short: the JSON is incomplete
+        content, calls = text, []
+    reason = "tool_calls" if calls and finish == "stop" else finish
+    return AssistantMessage(content=content, tool_calls=calls or None), reason
+
+
+class ReplyStream:
+    """One streamed choice: content and tool-call deltas from its text deltas."""
+
+    def __init__(self, mode: ToolCallMode | None) -> None:
+        self._forced = ToolCallStream(mode) if mode and mode.forced else None
+        self._markup = tool_markup.MarkupStream() if mode and mode.markup else None
+        self._made_calls = False
+
+    def feed(self, text: str, final: bool) -> ChatDelta:
+        if self._forced is not None:
+            content, calls = "", self._forced.feed(text)
+        elif self._markup is not None:
+            content, calls = self._markup.feed(text, final)
+        else:
+            content, calls = text, []
+        self._made_calls |= bool(calls)
+        return ChatDelta(content=content or None, tool_calls=calls or None)
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return "tool_calls" if self._made_calls and finish == "stop" else finish

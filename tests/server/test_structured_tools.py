@@ -10,7 +10,14 @@ import pytest
 from engine.sampling_params import GrammarSpec
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.structured import ToolCallMode, ToolCallStream, constraint, tool_calls
+from server.structured import (
+    ReplyStream,
+    ToolCallMode,
+    ToolCallStream,
+    constraint,
+    read_reply,
+    tool_calls,
+)
 
 ASK = [{"role": "user", "content": "hi"}]
 TOOLS = [
@@ -78,3 +85,37 @@ def test_streamed_deltas_add_up_to_the_calls(step):
     for index, call in enumerate(tool_calls(CALLS, ToolCallMode())):
         args = "".join(d.function.arguments or "" for d in deltas if d.index == index)
         assert args == call.function.arguments
+
+
+QWEN_LIKE = "{% if tools %}... <tool_call>{...}</tool_call> ...{% endif %}"
+REPLY = (
+    'Let me check. <tool_call>\n{"name": "a", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "<tool_call>not json</tool_call> done"
+)
+
+
+def test_auto_reads_the_templates_markup_only_when_it_has_one():
+    req = chat(tools=TOOLS)
+    assert constraint(req, QWEN_LIKE).tool_calls == ToolCallMode(markup=True)
+    assert constraint(req, "{{ messages }}").tool_calls is None
+    assert constraint(chat(tools=TOOLS, tool_choice="none"), QWEN_LIKE).tool_calls is None
+
+
+def test_markup_calls_whole_and_streamed():
+    message, finish = read_reply(REPLY, ToolCallMode(markup=True), "stop")
+    assert finish == "tool_calls"
+    assert message.content == "Let me check. <tool_call>not json</tool_call> done"
+    (call,) = message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("a", {"city": "Paris"})
+    for step in (1, 3, 7):
+        stream = ReplyStream(ToolCallMode(markup=True))
+        content, calls = [], []
+        for i in range(0, len(REPLY), step):
+            delta = stream.feed(REPLY[i : i + step], final=i + step >= len(REPLY))
+            content.append(delta.content or "")
+            calls += delta.tool_calls or []
+        assert "".join(content) == "Let me check. <tool_call>not json</tool_call> done"
+        assert [(c.index, c.function.name) for c in calls] == [(0, "a")]
+        assert stream.finish_reason("stop") == "tool_calls"
+    plain, finish = read_reply("no calls <tool_", ToolCallMode(markup=True), "stop")
+    assert (plain.content, plain.tool_calls, finish) == ("no calls <tool_", None, "stop")
