@@ -167,4 +167,3 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm):
             if out.finish_reason:
                 finished[out.request_id] = time.monotonic() - start
     assert list(finished) == ["plain", "slow"], finished
-    assert finished["slow"] > 2 * finished["plain"], finished
