@@ -1,0 +1,97 @@
+"""TTFT and ITL of the disaggregated topology (1 prefill + 1 decode) vs the aggregated
+engine, measured with ``ferry bench`` at concurrency 1 and 16, in one run.
+
+    .venv/bin/python bench/pd_serving.py [--model default] [--concurrency 1 16]
+        [--num-requests 8 32] [--input-len 256] [--output-len 32] [--threads 1]
+        [--out bench/results/pd_vs_aggregated_cpu.json]
+
+Each topology is a fresh ``ferry serve`` on a free port (``--aggregated`` vs the
+default with ``--kv-transport`` shm and tcp); each load point is one ``ferry bench``
+run (random workload, streaming chat, ``ignore_eos``), whose summary is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import machine_info
+
+ROOT = Path(__file__).resolve().parent.parent
+_READY = re.compile(r"ferry: serving (\S+) on (http://\S+)")
+
+
+def _ferry() -> list[str]:
+    script = Path(sys.executable).parent / "ferry"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
+
+
+def serve(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    with log.open("wb") as f:
+        proc = subprocess.Popen([*_ferry(), "serve", "--port", "0", *flags], stdout=f,
+                                stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        match = _READY.search(log.read_text(errors="replace"))
+        if match:
+            return proc, match.group(2)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"ferry serve did not start:\n{log.read_text()[-3000:]}")
+
+
+def bench_point(url: str, concurrency: int, requests: int, args, out: Path) -> dict:
+    cmd = [*_ferry(), "bench", "--url", url, "--workload", "random",
+           "--concurrency", str(concurrency), "--num-requests", str(requests),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--seed", "0", "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())["summary"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--num-requests", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--topologies", nargs="+", default=["aggregated", "pd-shm", "pd-tcp"])
+    parser.add_argument("--out", default="bench/results/pd_vs_aggregated_cpu.json")
+    args = parser.parse_args(argv)
+    flags = {
+        "aggregated": ["--aggregated"],
+        "pd-shm": ["--kv-transport", "shm"],
+        "pd-tcp": ["--kv-transport", "tcp"],
+    }
+    tmp = Path(tempfile.mkdtemp(prefix="ferry-pd-bench-"))
+    report = {**machine_info(), "args": vars(args), "topologies": {}}
+    for topo in args.topologies:
+        common = ["--model", args.model, "--threads", str(args.threads)]
+        proc, url = serve([*common, *flags[topo]], tmp / f"{topo}.log")
+        try:
+            points = {}
+            for c, n in zip(args.concurrency, args.num_requests):
+                s = bench_point(url, c, n, args, tmp / f"{topo}-c{c}.json")
+                points[f"c{c}"] = s
+                print(f"{topo} c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl p50 "
+                      f"{s['itl_ms']['p50']:.1f} ms, failed {s['failed']}", flush=True)  # fmt: skip
+            report["topologies"][topo] = points
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
