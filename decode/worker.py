@@ -150,19 +150,18 @@ class DecodeWorker:
                 self._kv_failed(rid, "the prompt's KV did not arrive in time")
 
     def step(self) -> list[msgspec.Struct]:
+        self.expire()
         self.reserve()
         stepped = self.core.has_work or self._touched
         self._touched = False
         outputs = self.outputs + (self.core.step() if self.core.has_work else [])
         self.outputs = []
-        self.expire()
         events = from_block_events(self.core.kv.pool.drain_events())
         msgs: list[msgspec.Struct] = list(self.wanted)
         self.wanted = []
         if outputs or events or stepped:
-            msgs.append(DecodeOutputs(outputs + self.outputs, self.sched.stats(),
-                                      self.sched.num_transferring, events))  # fmt: skip
-            self.outputs = []
+            msgs.append(DecodeOutputs(outputs, self.sched.stats(), self.sched.num_transferring,
+                                      events))  # fmt: skip
         return msgs
 
     def close(self) -> None:

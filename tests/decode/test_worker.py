@@ -1,0 +1,122 @@
+"""Prefill and decode workers in one process (no ZMQ): the hand-off, the decode worker's
+reservation timeout, and aborts that arrive while KV is on its way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import decode.worker as decode_worker
+from decode.messages import AbortDecode, DecodeRequest, KVFailed, KVReady, KVWanted
+from engine.config import CacheConfig, EngineConfig
+from engine.core import EngineCore
+from engine.pd_scheduler import PDScheduler
+from engine.sampling_params import SamplingParams
+from prefill.messages import AbortPrefill, PrefillDone, PrefillFailed, PrefillRequest
+from prefill.worker import PrefillWorker
+
+CONFIG = EngineConfig(model="dummy:tiny", num_threads=1,
+                      cache=CacheConfig(num_blocks=128, block_size=4))  # fmt: skip
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PROMPT = [1 + i % 200 for i in range(30)]
+
+
+@pytest.fixture
+def decode():
+    worker = decode_worker.DecodeWorker(CONFIG, "tcp", local_prefill_tokens=0, timeout=30)
+    yield worker
+    worker.close()
+
+
+@pytest.fixture
+def prefill():
+    worker = PrefillWorker(EngineCore(CONFIG, scheduler_cls=PDScheduler), "tcp", 30)
+    yield worker
+    worker.close()
+
+
+def wanted(d) -> KVWanted:
+    msgs = d.step()
+    return next(m for m in msgs if isinstance(m, KVWanted))
+
+
+def run_prefill(p: PrefillWorker, want: KVWanted) -> PrefillDone | PrefillFailed:
+    p.handle(PrefillRequest(want.request_id, PROMPT, GREEDY, want.dest))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        p.step()
+        done = [m for m in p.drain() if isinstance(m, PrefillDone | PrefillFailed)]
+        if done:
+            return done[0]
+        time.sleep(0.001)
+    raise TimeoutError
+
+
+def clean(worker) -> None:
+    worker.core.check_integrity()
+    assert worker.core.kv.pool.num_free == worker.core.kv.pool.num_usable
+    assert worker.sched.num_transferring == 0
+
+
+def test_hand_off_matches_a_local_run(decode, prefill):
+    local = EngineCore(CONFIG)
+    from engine.messages import EngineRequest
+
+    local.add_request(EngineRequest("ref", PROMPT, GREEDY))
+    expected = []
+    while local.has_work:
+        expected += [t for o in local.step() for t in o.new_token_ids]
+
+    decode.handle(DecodeRequest("r", PROMPT, GREEDY))
+    want = wanted(decode)
+    assert want.dest.skip_blocks == 0 and len(want.dest.block_ids) == 8
+    done = run_prefill(prefill, want)
+    assert isinstance(done, PrefillDone) and done.num_blocks == 8
+    clean(prefill)  # released; its full blocks stay cached
+    decode.handle(KVReady("r", done.first_token, done.logprob, done.num_cached_tokens))
+    got = []
+    while True:
+        outs = [o for m in decode.step() for o in getattr(m, "outputs", [])]
+        got += [t for o in outs for t in o.new_token_ids]
+        if any(o.finish_reason for o in outs):
+            break
+    assert got == expected
+    clean(decode)
+
+
+def test_reservation_expires_without_kv(decode, monkeypatch):
+    monkeypatch.setattr(decode_worker, "_GRACE_S", 0.0)
+    decode.timeout = 0.05
+    decode.handle(DecodeRequest("r", PROMPT, GREEDY))
+    wanted(decode)
+    assert decode.sched.num_transferring == 1
+    time.sleep(0.1)
+    outs = [o for m in decode.step() for o in getattr(m, "outputs", [])]
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("r", "error")]
+    assert "did not arrive" in outs[0].error
+    clean(decode)
+
+
+def test_abort_while_kv_is_coming_waits_for_the_outcome(decode):
+    decode.handle(DecodeRequest("r", PROMPT, GREEDY))
+    wanted(decode)
+    decode.handle(AbortDecode(["r"]))
+    decode.step()
+    assert decode.sched.num_transferring == 1  # blocks kept: a write may still land
+    decode.handle(KVFailed("r", "aborted"))
+    outs = [o for m in decode.step() for o in getattr(m, "outputs", [])]
+    assert outs == []  # the client is gone: no error for it
+    clean(decode)
+
+
+def test_prefill_abort_before_and_after_the_prompt(decode, prefill):
+    decode.handle(DecodeRequest("r", PROMPT, GREEDY))
+    want = wanted(decode)
+    prefill.handle(PrefillRequest("r", PROMPT, GREEDY, want.dest))
+    prefill.handle(AbortPrefill(["r"]))
+    msgs = prefill.drain()
+    assert any(isinstance(m, PrefillFailed) and m.aborted for m in msgs)
+    clean(prefill)
+    prefill.handle(AbortPrefill(["unknown"]))  # nothing to do, nothing sent
+    assert not [m for m in prefill.drain() if isinstance(m, PrefillFailed)]
