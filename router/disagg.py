@@ -197,6 +197,10 @@ class DisaggClient:
             worker.num_transferring = msg.num_transferring
             self._count_events(worker, msg.events)
             for out in msg.outputs:
+                if out.finish_reason == "error" and out.request_id in self._pending:
+                    # D gave up on the KV (its reservation expired): stop the prefill too
+                    prefill, _ = self._pending.pop(out.request_id)
+                    prefill.send(pm.AbortPrefill([out.request_id]), pm.encode)
                 route = self._routes.get(out.request_id)
                 if route is not None:
                     route.queue.put_nowait(out)
