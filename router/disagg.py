@@ -61,6 +61,8 @@ class _Route:
 
 class DisaggClient:
     def __init__(self, config: EngineConfig, pd: PDConfig) -> None:
+        if pd.transport == "nccl" and not config.device.startswith("cuda"):
+            raise ValueError("the nccl KV transport needs GPU workers (--device cuda)")
         self.config = config
         self.pd = pd
         self.model_name = ""

@@ -31,3 +31,11 @@ def test_bad_topology_is_refused():
         serve.pd_config(parse("--decode", "0"))
     with pytest.raises(SystemExit):
         parse("--kv-transport", "pigeon")
+
+
+def test_nccl_transport_needs_gpu_workers():
+    from router.disagg import DisaggClient
+
+    args = parse("--kv-transport", "nccl")
+    with pytest.raises(ValueError, match="GPU"):
+        DisaggClient(serve.engine_config(args), serve.pd_config(args))
