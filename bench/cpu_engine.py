@@ -5,19 +5,22 @@
 Measures, on the same model and prompts: prefill tok/s (one 512-token prompt),
 decode tok/s at batch 1 and at batch 16 (128 new tokens per sequence, EOS ignored).
 Decode time excludes the prefill (a max_tokens=1 run of the same prompts is
-subtracted). Each figure is the median of --repeats runs after a warm-up.
+subtracted). Each figure is the median of --repeats runs after a warm-up; the two engines take
+turns on every repeat so that shifting machine load hits both alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from bench.common import machine_info, median_time
+from bench.common import machine_info
 from engine.config import CacheConfig, EngineConfig
 from engine.llm import LLM
 from engine.loader import default_model_path
@@ -29,21 +32,41 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (batch, length), generator=g).tolist()
 
 
-def measure(
-    make_run: Callable[[list[list[int]], int], Callable[[], object]], vocab: int, args
-) -> dict:
-    """Prefill and decode throughput of ``make_run(prompts, new_tokens)()``, which must
-    greedily generate exactly ``new_tokens`` tokens for every prompt."""
-    timed = lambda prompts, n: median_time(make_run(prompts, n), args.repeats)  # noqa: E731
-    out = {"prefill_tok_s": args.prefill_len / timed(_prompts(1, args.prefill_len, vocab, 0), 1)}
+Runner = Callable[[list[list[int]], int], Callable[[], object]]
+
+
+def measure(engines: dict[str, Runner], vocab: int, args) -> dict[str, dict[str, float]]:
+    """Prefill and decode throughput of each engine. ``engines[name](prompts, n)`` returns
+    a call that greedily generates exactly ``n`` tokens for every prompt. The engines
+    take turns on every repeat, so a change in machine load hits all of them alike."""
+    times: dict[tuple[str, str], list[float]] = {}
+
+    def timed(key: str, prompts: list[list[int]], n: int) -> None:
+        runs = {name: make(prompts, n) for name, make in engines.items()}
+        for run in runs.values():
+            run()  # warm-up
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times.setdefault((name, key), []).append(time.perf_counter() - start)
+
+    timed("prefill", _prompts(1, args.prefill_len, vocab, 0), 1)
     for batch in (1, 16):
         prompts = _prompts(batch, args.prompt_len, vocab, batch)
-        decode_time = timed(prompts, args.new_tokens + 1) - timed(prompts, 1)
-        out[f"decode_b{batch}_tok_s"] = batch * args.new_tokens / decode_time
+        timed(f"first_b{batch}", prompts, 1)
+        timed(f"all_b{batch}", prompts, args.new_tokens + 1)
+    out = {}
+    for name in engines:
+        t = {key: statistics.median(v) for (n, key), v in times.items() if n == name}
+        out[name] = {"prefill_tok_s": args.prefill_len / t["prefill"]}
+        for batch in (1, 16):
+            decode = t[f"all_b{batch}"] - t[f"first_b{batch}"]
+            out[name][f"decode_b{batch}_tok_s"] = batch * args.new_tokens / decode
     return out
 
 
-def bench_ferry(args) -> dict:
+def ferry_engine(args) -> tuple[Runner, int]:
     config = EngineConfig(
         model=args.model, dtype=args.dtype, cache=CacheConfig(enable_prefix_caching=False)
     )
@@ -53,10 +76,10 @@ def bench_ferry(args) -> dict:
         sampling = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         return lambda: llm.generate(prompts, sampling)
 
-    return measure(make_run, llm.core.model_config.vocab_size, args)
+    return make_run, llm.core.model_config.vocab_size
 
 
-def bench_transformers(args) -> dict:
+def transformers_engine(args) -> Runner:
     import transformers
 
     path = Path(default_model_path())
@@ -68,10 +91,14 @@ def bench_transformers(args) -> dict:
     def make_run(prompts, n):
         ids = torch.tensor(prompts)
         kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n)
-        return lambda: model.generate(ids, do_sample=False, **kw)
 
-    with torch.inference_mode():
-        return measure(make_run, model.config.vocab_size, args)
+        def run():
+            with torch.inference_mode():
+                return model.generate(ids, do_sample=False, **kw)
+
+        return run
+
+    return make_run
 
 
 def main() -> None:
@@ -88,9 +115,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/cpu_engine.json")
     args = parser.parse_args()
 
-    results = {"ferry": bench_ferry(args)}
+    ferry, vocab = ferry_engine(args)
+    engines = {"ferry": ferry}
     if not args.skip_transformers:
-        results["transformers"] = bench_transformers(args)
+        engines["transformers"] = transformers_engine(args)
+    results = measure(engines, vocab, args)
+    if "transformers" in results:
         results["ratio_ferry_over_transformers"] = {
             k: results["ferry"][k] / results["transformers"][k] for k in results["ferry"]
         }
