@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import torch
 
-from bench.common import machine_info
+from bench.common import machine_info, median_time
 from engine.kv_cache.layout import KVCache, KVCacheLayout
 from kvstore.transport import KVEndpoint, get_transport
 
@@ -57,16 +55,6 @@ def _pythonpath() -> str:
     return os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
 
 
-def _median(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
     a = torch.randn(nbytes // 4, device=device)
     b = torch.empty_like(a)
@@ -76,7 +64,7 @@ def memcpy_gbps(nbytes: int, repeats: int, device: str = "cpu") -> float:
         if a.is_cuda:
             torch.cuda.synchronize()
 
-    return nbytes / _median(copy, repeats) / 1e9
+    return nbytes / median_time(copy, repeats) / 1e9
 
 
 _DIST_PEER = """
@@ -138,7 +126,7 @@ def backend_gbps(name: str, sizes: list[int], repeats: int, device: str = "cpu")
         for blocks in sizes:
             src_ids = rng.choice(np.arange(1, NUM_BLOCKS), blocks, replace=False).tolist()
             dst_ids = rng.choice(np.arange(1, NUM_BLOCKS), blocks, replace=False).tolist()
-            seconds = _median(
+            seconds = median_time(
                 lambda s=src_ids, d=dst_ids: sender.send(endpoint, "bench", s, d), repeats
             )
             nbytes = blocks * LAYOUT.bytes_per_block
