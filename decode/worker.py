@@ -5,7 +5,7 @@ into, and a ``KVReceiver`` on it. A ``DecodeRequest`` whose uncached tail is lon
 ``--local-prefill-tokens`` gets blocks reserved for its whole prompt, then ``KVWanted``
 (the destination blocks) goes to the frontend, which has a prefill worker fill them.
 ``KVReady`` admits it with the prompt computed and its first token; ``KVFailed`` ends it
-with an error. A short tail (or a structured-output request) is prefilled here.
+with an error. A short tail is prefilled here.
 
 Reserved blocks are freed only when no write can still be coming: on ``KVReady`` /
 ``KVFailed`` (the frontend sends one for every ``KVWanted``, also when the prefill worker
@@ -87,8 +87,7 @@ class DecodeWorker:
 
     def _add(self, msg: DecodeRequest) -> None:
         rid = msg.request_id
-        structured = getattr(msg.sampling, "grammar", None) is not None
-        if msg.remote_prefill and not structured:
+        if msg.remote_prefill:
             self.sched.expect_kv(rid, self.local_prefill_tokens)
         engine_msg = EngineRequest(rid, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
                                    msg.cache_salt)  # fmt: skip

@@ -108,8 +108,11 @@ class PDScheduler(Scheduler):
         self.running.append(req)
         self._known_to_runner.add(request_id)
         self._admitted.append(
-            NewRequest(request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids)
-        )
+            NewRequest(
+                request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids, req.grammar,
+                output_token_ids=(first_token,),
+            )
+        )  # fmt: skip
         return out
 
     # -- the base class's hooks ----------------------------------------------------------

@@ -17,6 +17,9 @@ class NewRequest:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...]
     grammar: Any = None  # the compiled grammar when ``sampling.grammar`` is set
+    # tokens generated before this runner first sees the request (a decode worker's first
+    # token, sampled by the prefill worker): penalties count them, the matcher replays them
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -100,8 +100,9 @@ class ModelRunner:
             generator = None
             if new.sampling.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(new.sampling.seed)
-            grammar = None if new.grammar is None else GrammarState.resume(new.grammar, [])
-            self.states[new.request_id] = _RowState(new, generator, grammar=grammar)
+            outputs = list(new.output_token_ids)
+            grammar = None if new.grammar is None else GrammarState.resume(new.grammar, outputs)
+            self.states[new.request_id] = _RowState(new, generator, outputs, grammar)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size

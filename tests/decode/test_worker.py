@@ -120,3 +120,45 @@ def test_prefill_abort_before_and_after_the_prompt(decode, prefill):
     clean(prefill)
     prefill.handle(AbortPrefill(["unknown"]))  # nothing to do, nothing sent
     assert not [m for m in prefill.drain() if isinstance(m, PrefillFailed)]
+
+
+def test_structured_hand_off_constrains_the_first_token_and_resumes_the_matcher():
+    """The prefill worker samples the first token under the grammar; the decode worker
+    replays it into its own matcher and keeps the rest of the output in the language."""
+    import re
+
+    from engine.sampling_params import GrammarSpec
+
+    config = EngineConfig(model="default", num_threads=1,
+                          cache=CacheConfig(num_blocks=32, block_size=16))  # fmt: skip
+    pattern = r"(yes|no), [a-z]{1,8}( [a-z]{1,8}){0,3}\."
+    sampling = SamplingParams(temperature=1.0, seed=11, max_tokens=40,
+                              grammar=GrammarSpec("regex", pattern))  # fmt: skip
+    d = decode_worker.DecodeWorker(config, "tcp", local_prefill_tokens=0, timeout=60)
+    p = PrefillWorker(EngineCore(config, scheduler_cls=PDScheduler), "tcp", 60)
+    try:
+        prompt = d.core.tokenizer.encode("Is the sky blue? Answer in a few words." * 2)
+        d.handle(DecodeRequest("s", prompt, sampling))
+        deadline = time.monotonic() + 60
+        want = None
+        while want is None and time.monotonic() < deadline:  # the grammar compiles first
+            want = next((m for m in d.step() if isinstance(m, KVWanted)), None)
+        p.handle(PrefillRequest("s", prompt, sampling, want.dest))
+        done = None
+        while done is None and time.monotonic() < deadline:
+            p.step()
+            done = next((m for m in p.drain() if isinstance(m, PrefillDone)), None)
+        d.handle(KVReady("s", done.first_token, done.logprob, done.num_cached_tokens))
+        tokens, reason = [], None
+        while reason is None and time.monotonic() < deadline:
+            outs = [o for m in d.step() for o in getattr(m, "outputs", [])]
+            tokens += [t for o in outs for t in o.new_token_ids]
+            reason = next((o.finish_reason for o in outs if o.finish_reason), None)
+        assert tokens[0] == done.first_token
+        assert reason == "stop"
+        text = d.core.tokenizer.decode(tokens)
+        assert re.fullmatch(pattern, text), text
+        clean(d)
+    finally:
+        d.close()
+        p.close()
