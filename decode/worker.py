@@ -39,6 +39,7 @@ from decode.messages import (
 from engine import envs
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.ipc import worker_sockets
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PDScheduler
 from kvstore.events import from_block_events
@@ -168,13 +169,7 @@ class DecodeWorker:
 
 
 def serve(config: EngineConfig, input_addr: str, output_addr: str, args) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
+    inbox, outbox = worker_sockets(input_addr, output_addr)
     try:
         worker = DecodeWorker(config, args.transport, args.local_prefill_tokens,
                               args.transfer_timeout, args.kv_host)  # fmt: skip

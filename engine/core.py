@@ -22,6 +22,7 @@ import torch
 from engine import envs
 from engine.attention import backend_for
 from engine.config import EngineConfig
+from engine.ipc import worker_sockets
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.layout import KVCache, KVCacheLayout
 from engine.kv_cache.manager import KVCacheManager
@@ -166,13 +167,7 @@ class EngineCore:
 
 def serve(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Run an EngineCore behind ZMQ sockets until told to shut down."""
-    import zmq
-
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
+    inbox, outbox = worker_sockets(input_addr, output_addr)
     try:
         core = EngineCore(config, progress=True)
     except Exception as exc:  # report why we could not start, then exit

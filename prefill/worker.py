@@ -23,6 +23,7 @@ import msgspec
 from engine import envs
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.ipc import worker_sockets
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PREFILLED, PDScheduler
 from kvstore.events import from_block_events
@@ -166,13 +167,7 @@ class PrefillWorker:
 
 
 def serve(config: EngineConfig, input_addr: str, output_addr: str, args) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(input_addr)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(output_addr)
+    inbox, outbox = worker_sockets(input_addr, output_addr)
     try:
         core = EngineCore(config, progress=False, scheduler_cls=PDScheduler)
         worker = PrefillWorker(core, args.transport, args.transfer_timeout)
