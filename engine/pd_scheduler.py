@@ -2,7 +2,9 @@
 
 - **Prefill-only requests** (prefill worker, ``prefill_only``): they finish after their
   first token with reason ``"prefilled"`` but keep their blocks, in ``held``, until the
-  worker has shipped them and calls ``release``.
+  worker has shipped them and calls ``release``. Blocks shipped while the prompt is still
+  being computed are ``pin``-ned for the duration of their send, so that neither a
+  preemption nor an abort can hand them to another request mid-send.
 - **Requests whose KV arrives from elsewhere** (decode worker, ``expect_kv``): on ``add``
   a request whose uncached tail is longer than its threshold is not queued for compute;
   it waits in ``reserving`` until ``reserve_pending`` can give it blocks for the whole
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from engine.kv_cache.block_pool import Block
 from engine.messages import RequestOutput, TokenLogprob
 from engine.plan import NewRequest, StepPlan
 from engine.request import Request, Status
@@ -37,8 +40,19 @@ class PDScheduler(Scheduler):
         self.reserving: deque[Request] = deque()
         self.incoming: dict[str, Request] = {}
         self._admitted: list[NewRequest] = []
+        self._pinned: list[list[Block]] = []
 
     # -- prefill side --------------------------------------------------------------------
+
+    def pin(self, blocks: list[Block]) -> list[Block]:
+        """Take an extra reference on ``blocks`` (a send reads them); ``unpin`` returns it."""
+        self.kv.pool.touch(blocks)
+        self._pinned.append(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[Block]) -> None:
+        self._pinned.remove(blocks)
+        self.kv.pool.free(list(reversed(blocks)))
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished prefill-only request."""
@@ -150,4 +164,9 @@ class PDScheduler(Scheduler):
         return len(self.held) + len(self.incoming) + len(self.reserving)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity([*self.requests.values(), *self.held.values()])
+        holders: dict[int, int] = {}
+        owners = [r.blocks for r in (*self.requests.values(), *self.held.values())]
+        for blocks in (*owners, *self._pinned):
+            for block in blocks:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        self.kv.pool.check_integrity(holders)

@@ -68,7 +68,8 @@ class PrefillDone(msgspec.Struct, tag=True, frozen=True):
     num_cached_tokens: int
     num_blocks: int
     num_bytes: int
-    seconds: float  # the transfer alone
+    seconds: float  # the transfer alone (its sends, summed)
+    num_streamed_blocks: int = 0  # of num_blocks, sent while the prompt was still computing
 
 
 class PrefillFailed(msgspec.Struct, tag=True, frozen=True):

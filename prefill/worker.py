@@ -1,12 +1,17 @@
 """The prefill worker process: ``python -m prefill.worker``.
 
 Runs an ``EngineCore`` (with ``PDScheduler``) on prompts only: each request is
-prefill-only, so it finishes after its first token and keeps its blocks. Those blocks
-are then shipped to the decode worker's reserved blocks (``PrefillRequest.dest``) by a
-background thread through the KV transport, after which they are released — full ones
-stay in this worker's prefix cache — and ``PrefillDone`` (first token, transfer figures)
-goes to the frontend, which tells the decode worker. Every request ends in exactly one
-``PrefillDone`` or ``PrefillFailed``: the decode worker frees its reservation on either.
+prefill-only, so it finishes after its first token and keeps its blocks. Its KV goes to
+the decode worker's reserved blocks (``PrefillRequest.dest``) through the KV transport,
+on a background thread, *while the prompt is still being computed*: after every step the
+blocks that chunked prefill has filled are sent, each send pinning its source blocks
+(``PDScheduler.pin``) so that a preemption or an abort cannot recycle them mid-send.
+When the prompt is done, the rest (the last, partial block included) follows. Once every
+send has landed the request's blocks are released — full ones stay in this worker's
+prefix cache — and ``PrefillDone`` (first token, transfer figures) goes to the frontend,
+which tells the decode worker. Every request ends in exactly one ``PrefillDone`` or
+``PrefillFailed``, and only when none of its sends is still running: the decode worker
+frees its reservation on either.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -24,8 +30,10 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.ipc import worker_sockets
+from engine.kv_cache.block_pool import Block
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PREFILLED, PDScheduler
+from engine.request import Status
 from kvstore.events import from_block_events
 from kvstore.transport import TransferStats, get_transport
 from prefill.messages import (
@@ -48,22 +56,44 @@ _IDLE_POLL_MS = 1000
 _BUSY_POLL_MS = 1  # only transfers in flight: wait this long for messages
 
 
+@dataclass
+class _Shipment:
+    """One request's KV on its way to ``dest``."""
+
+    dest: KVDestination
+    sent: int = 0  # leading destination blocks whose send has been started
+    streamed: int = 0  # of those, started before the prompt was done
+    jobs: list[tuple[Future[TransferStats], list[Block]]] = field(default_factory=list)
+    num_blocks: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    outcome: RequestOutput | None = None  # the prefill's end, once it has ended
+    failure: PrefillFailed | None = None  # set when no KV will be delivered
+
+    @property
+    def settled(self) -> bool:
+        return not self.jobs and (self.failure is not None or self.outcome is not None)
+
+
 class PrefillWorker:
     def __init__(self, core: EngineCore, transport: str, transfer_timeout_s: float) -> None:
         self.core = core
         self.sched: PDScheduler = core.scheduler  # type: ignore[assignment]
+        self.block_size = core.config.cache.block_size
         self.sender = get_transport(transport).sender(core.kv_cache)
         self.timeout = transfer_timeout_s
-        self.dests: dict[str, KVDestination] = {}
-        self.sending: dict[str, tuple[Future[TransferStats], RequestOutput]] = {}
-        self.aborted: set[str] = set()
+        self.shipments: dict[str, _Shipment] = {}
         self.out: list[msgspec.Struct] = []
         self._stepped = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
 
     @property
+    def sending(self) -> bool:
+        return any(s.jobs for s in self.shipments.values())
+
+    @property
     def busy(self) -> bool:
-        return self.core.has_work or bool(self.sending)
+        return self.core.has_work or self.sending
 
     def handle(self, msg: PrefillRequest | AbortPrefill) -> None:
         self._stepped = True  # the stats may have changed: report them
@@ -72,6 +102,7 @@ class PrefillWorker:
         else:
             for rid in msg.request_ids:
                 self._abort(rid)
+        self._collect()
 
     def _add(self, msg: PrefillRequest) -> None:
         rid = msg.request_id
@@ -83,74 +114,102 @@ class PrefillWorker:
             self.sched.prefill_only.discard(rid)
             self.out.append(PrefillFailed(rid, err.error or "invalid request"))
             return
-        self.dests[rid] = msg.dest
+        self.shipments[rid] = _Shipment(msg.dest)
 
     def _abort(self, rid: str) -> None:
-        if rid in self.sending:
-            self.aborted.add(rid)  # it completes; the decode worker frees on PrefillDone
+        ship = self.shipments.get(rid)
+        if ship is None or ship.failure is not None:
             return
+        self._stop(rid, ship, PrefillFailed(rid, "aborted", aborted=True))
+
+    def _stop(self, rid: str, ship: _Shipment, failure: PrefillFailed) -> None:
+        """No KV will be delivered: stop computing, give the blocks back (those still being
+        sent stay pinned until their send ends), report once the sends have drained."""
+        ship.failure = failure
         if rid in self.sched.held:
             self.sched.release(rid)
         elif rid in self.sched.requests:
             self.core.abort([rid])
-        else:
-            return
-        self.dests.pop(rid, None)
-        self.out.append(PrefillFailed(rid, "aborted", aborted=True))
 
     def step(self) -> None:
         self._stepped |= self.core.has_work
         for out in self.core.step() if self.core.has_work else []:
             if out.finish_reason is not None:
                 self._prefilled(out)
+        for rid, ship in self.shipments.items():
+            req = self.sched.requests.get(rid)
+            if ship.failure is None and req is not None and req.status is Status.RUNNING:
+                self._ship(rid, ship, min(req.num_computed_tokens, req.num_prompt_tokens))
         self._collect()
 
     def _prefilled(self, out: RequestOutput) -> None:
         rid = out.request_id
-        dest = self.dests.pop(rid, None)
-        if out.finish_reason in ("error", "abort") or dest is None:
+        ship = self.shipments.get(rid)
+        if ship is None or ship.failure is not None:
             self.sched.release(rid)
-            self.out.append(PrefillFailed(rid, out.error or f"prefill ended: {out.finish_reason}"))
             return
-        if out.finish_reason != PREFILLED:  # the first token ends it: no KV needed
-            self.out.append(self._done(out, TransferStats(0, 0, 0.0)))
+        ship.outcome = out
+        if out.finish_reason in ("error", "abort"):
+            error = out.error or f"prefill ended: {out.finish_reason}"
+            self._stop(rid, ship, PrefillFailed(rid, error))
+        elif out.finish_reason == PREFILLED:
+            self._ship(rid, ship, self.sched.held[rid].num_prompt_tokens, final=True)
+        # otherwise the first token ends the request: D needs no more KV
+
+    def _ship(self, rid: str, ship: _Shipment, num_tokens: int, final: bool = False) -> None:
+        """Start sending the computed blocks among the first ``num_tokens`` prompt tokens
+        that have not been sent; ``final``: the prompt is done, its partial block too."""
+        req = self.sched.held[rid] if final else self.sched.requests[rid]
+        dest = ship.dest
+        end = -(-num_tokens // self.block_size) if final else num_tokens // self.block_size
+        begin = dest.skip_blocks + ship.sent
+        if end - dest.skip_blocks > len(dest.block_ids):
+            self._stop(rid, ship, PrefillFailed(
+                rid, f"{end - dest.skip_blocks} blocks to send, {len(dest.block_ids)} reserved"
+            ))  # fmt: skip
             return
-        req = self.sched.held[rid]
-        bs = self.core.config.cache.block_size
-        src = [b.block_id for b in req.blocks[dest.skip_blocks : -(-req.num_prompt_tokens // bs)]]
-        if len(src) != len(dest.block_ids):
-            self._fail(rid, f"{len(src)} blocks to send, {len(dest.block_ids)} reserved")
-        elif time.time() > dest.deadline:
-            self._fail(rid, "the decode worker's reservation expired before the prefill ended")
-        else:
-            job = self._pool.submit(
-                self.sender.send, dest.endpoint, rid, src, dest.block_ids, self.timeout
-            )
-            self.sending[rid] = (job, out)
+        if end <= begin:
+            return
+        if time.time() > dest.deadline:
+            self._stop(rid, ship, PrefillFailed(
+                rid, "the decode worker's reservation expired before the prefill ended"
+            ))  # fmt: skip
+            return
+        blocks = self.sched.pin(req.blocks[begin:end])
+        src = [b.block_id for b in blocks]
+        dst = dest.block_ids[ship.sent : ship.sent + len(src)]
+        job = self._pool.submit(self.sender.send, dest.endpoint, rid, src, dst, self.timeout)
+        ship.jobs.append((job, blocks))
+        ship.sent += len(src)
+        if not final:
+            ship.streamed += len(src)
 
     def _collect(self) -> None:
-        for rid, (job, out) in list(self.sending.items()):
-            if not job.done():
-                continue
-            del self.sending[rid]
-            self.aborted.discard(rid)
-            try:
-                stats = job.result()
-            except Exception as exc:  # TransferError, or anything the backend raised
-                log.warning("KV transfer of %s failed: %s", rid, exc)
-                self._fail(rid, f"KV transfer failed: {exc}")
-                continue
-            self.sched.release(rid)
-            self.out.append(self._done(out, stats))
+        for rid, ship in list(self.shipments.items()):
+            while ship.jobs and ship.jobs[0][0].done():
+                job, blocks = ship.jobs.pop(0)
+                self.sched.unpin(blocks)
+                try:
+                    stats = job.result()
+                except Exception as exc:  # TransferError, or anything the backend raised
+                    if ship.failure is None:
+                        log.warning("KV transfer of %s failed: %s", rid, exc)
+                        self._stop(rid, ship, PrefillFailed(rid, f"KV transfer failed: {exc}"))
+                    continue
+                ship.num_blocks += stats.num_blocks
+                ship.num_bytes += stats.num_bytes
+                ship.seconds += stats.seconds
+            if ship.settled:
+                del self.shipments[rid]
+                self.out.append(ship.failure or self._done(rid, ship))
 
-    def _done(self, out: RequestOutput, stats: TransferStats) -> PrefillDone:
-        logprob = out.logprobs[0] if out.logprobs else None
-        return PrefillDone(out.request_id, out.new_token_ids[0], logprob, out.num_cached_tokens,
-                           stats.num_blocks, stats.num_bytes, stats.seconds)  # fmt: skip
-
-    def _fail(self, rid: str, error: str) -> None:
+    def _done(self, rid: str, ship: _Shipment) -> PrefillDone:
         self.sched.release(rid)
-        self.out.append(PrefillFailed(rid, error))
+        out = ship.outcome
+        logprob = out.logprobs[0] if out.logprobs else None
+        return PrefillDone(rid, out.new_token_ids[0], logprob, out.num_cached_tokens,
+                           ship.num_blocks, ship.num_bytes, ship.seconds,
+                           ship.streamed)  # fmt: skip
 
     def drain(self) -> list[msgspec.Struct]:
         """Messages for the frontend; stats only when something moved."""

@@ -241,7 +241,8 @@ class DisaggClient:
             return
         decode = pending[1]
         if isinstance(msg, pm.PrefillDone):
-            self.transfers.record(msg.num_blocks, msg.num_bytes, msg.seconds)
+            self.transfers.record(msg.num_blocks, msg.num_bytes, msg.seconds,
+                                  msg.num_streamed_blocks)  # fmt: skip
             decode.send(dm.KVReady(msg.request_id, msg.first_token, msg.logprob,
                                    msg.num_cached_tokens), dm.encode)  # fmt: skip
         else:

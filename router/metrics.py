@@ -26,19 +26,27 @@ class TransferMetrics:
             "ferry_kv_transfer_seconds", "Time to move one request's KV",
             buckets=_TRANSFER_BUCKETS, registry=None,
         )  # fmt: skip
+        self.streamed = Counter(
+            "ferry_kv_transfer_streamed_blocks",
+            "KV blocks sent while their prompt was still being prefilled", registry=None,
+        )  # fmt: skip
         self.failures = Counter("ferry_kv_transfer_failures", "KV transfers that failed",
                                 registry=None)  # fmt: skip
         self.kv_events = Counter("ferry_kv_events", "KV events published by workers",
                                  ["role", "kind"], registry=None)  # fmt: skip
 
-    def record(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+    def record(
+        self, num_blocks: int, num_bytes: int, seconds: float, num_streamed: int = 0
+    ) -> None:
         if num_blocks:
             self.bytes.inc(num_bytes)
             self.blocks.inc(num_blocks)
+            self.streamed.inc(num_streamed)
             self.seconds.observe(seconds)
 
     def collectors(self) -> list[Collector]:
-        return [self.bytes, self.blocks, self.seconds, self.failures, self.kv_events]
+        return [self.bytes, self.blocks, self.streamed, self.seconds, self.failures,
+                self.kv_events]  # fmt: skip
 
 
 class WorkerQueueCollector(Collector):

@@ -3,13 +3,14 @@ reservation timeout, and aborts that arrive while KV is on its way."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 import decode.worker as decode_worker
 from decode.messages import AbortDecode, DecodeRequest, KVFailed, KVReady, KVWanted
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.pd_scheduler import PDScheduler
 from engine.sampling_params import SamplingParams
@@ -160,5 +161,96 @@ def test_structured_hand_off_constrains_the_first_token_and_resumes_the_matcher(
         assert re.fullmatch(pattern, text), text
         clean(d)
     finally:
+        d.close()
+        p.close()
+
+
+STREAM_CONFIG = EngineConfig(model="dummy:tiny", num_threads=1,
+                             cache=CacheConfig(num_blocks=128, block_size=4),
+                             scheduler=SchedulerConfig(max_num_batched_tokens=8))  # fmt: skip
+
+
+def reference_tokens(config: EngineConfig, prompt: list[int]) -> list[int]:
+    from engine.messages import EngineRequest
+
+    local = EngineCore(config)
+    local.add_request(EngineRequest("ref", prompt, GREEDY))
+    tokens = []
+    while local.has_work:
+        tokens += [t for o in local.step() for t in o.new_token_ids]
+    return tokens
+
+
+def decode_to_end(d) -> list[int]:
+    got = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        outs = [o for m in d.step() for o in getattr(m, "outputs", [])]
+        got += [t for o in outs for t in o.new_token_ids]
+        if any(o.finish_reason for o in outs):
+            return got
+    raise TimeoutError
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_kv_streams_to_the_decode_worker_while_the_prompt_is_prefilled(transport):
+    """With chunked prefill (8 tokens a step) most blocks leave before the prompt is done;
+    the decode worker's output is still that of a local run."""
+    d = decode_worker.DecodeWorker(STREAM_CONFIG, transport, local_prefill_tokens=0, timeout=30)
+    p = PrefillWorker(EngineCore(STREAM_CONFIG, scheduler_cls=PDScheduler), transport, 30)
+    try:
+        d.handle(DecodeRequest("r", PROMPT, GREEDY))
+        done = run_prefill(p, wanted(d))
+        assert isinstance(done, PrefillDone) and done.num_blocks == 8
+        assert done.num_streamed_blocks >= 6  # all but the last chunk's blocks
+        clean(p)
+        d.handle(KVReady("r", done.first_token, done.logprob, done.num_cached_tokens))
+        assert decode_to_end(d) == reference_tokens(STREAM_CONFIG, PROMPT)
+        clean(d)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_blocks_being_sent_stay_pinned_when_the_prefill_is_aborted_mid_send():
+    """An abort while a chunk's send is in flight frees the request but not the blocks the
+    send reads: nothing else may be written into them until the send has ended, and the
+    abort is reported only then (the decode worker frees its reservation on it)."""
+    d = decode_worker.DecodeWorker(STREAM_CONFIG, "tcp", local_prefill_tokens=0, timeout=30)
+    p = PrefillWorker(EngineCore(STREAM_CONFIG, scheduler_cls=PDScheduler), "tcp", 30)
+    gate = threading.Event()
+    real_send = p.sender.send
+
+    def held_send(*args, **kwargs):
+        gate.wait(30)
+        return real_send(*args, **kwargs)
+
+    p.sender.send = held_send
+    try:
+        d.handle(DecodeRequest("r", PROMPT, GREEDY))
+        p.handle(PrefillRequest("r", PROMPT, GREEDY, wanted(d).dest))
+        while not p.sending:
+            p.step()
+        pinned = [b for _, blocks in p.shipments["r"].jobs for b in blocks]
+        p.handle(AbortPrefill(["r"]))
+        assert not [m for m in p.drain() if isinstance(m, PrefillFailed)]
+        assert all(b.ref_count == 1 for b in pinned)  # only the send holds them
+        p.core.check_integrity()
+        free_before = p.core.kv.pool.num_free
+        assert free_before == p.core.kv.pool.num_usable - len(pinned)
+        gate.set()
+        deadline = time.monotonic() + 30
+        failed = []
+        while not failed and time.monotonic() < deadline:
+            p.step()
+            failed = [m for m in p.drain() if isinstance(m, PrefillFailed)]
+            time.sleep(0.001)
+        assert failed[0].aborted
+        clean(p)
+        d.handle(KVFailed("r", "aborted"))
+        d.step()
+        clean(d)
+    finally:
+        gate.set()
         d.close()
         p.close()
