@@ -78,19 +78,23 @@ class DisaggClient:
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
         common = ["--transport", pd.transport, "--transfer-timeout", str(pd.transfer_timeout_s)]
+        devices = worker_devices(config.device, pd.num_prefill + pd.num_decode)
         self.prefill = [
-            self._worker(f"p{i}", "prefill", "prefill.worker", common, pm.decode_message)
+            self._worker(f"p{i}", "prefill", "prefill.worker", common, pm.decode_message,
+                         devices[i])  # fmt: skip
             for i in range(pd.num_prefill)
         ]
         d_args = [*common, "--local-prefill-tokens", str(pd.local_prefill_tokens),
                   "--kv-host", pd.kv_host]  # fmt: skip
         self.decode = [
-            self._worker(f"d{i}", "decode", "decode.worker", d_args, dm.decode_message)
+            self._worker(f"d{i}", "decode", "decode.worker", d_args, dm.decode_message,
+                         devices[pd.num_prefill + i])  # fmt: skip
             for i in range(pd.num_decode)
         ]
 
-    def _worker(self, name, role, module, args, decoder) -> WorkerProcess:
-        return WorkerProcess(name, role, module, self.config, args, decoder, self._tmp,
+    def _worker(self, name, role, module, args, decoder, device: str) -> WorkerProcess:
+        config = self.config.replace(device=device)
+        return WorkerProcess(name, role, module, config, args, decoder, self._tmp,
                              self._ctx, self._sync_ctx)  # fmt: skip
 
     @property
@@ -272,6 +276,19 @@ class DisaggClient:
                 del self._pending[rid]
                 self.transfers.failures.inc()
                 decode.send(dm.KVFailed(rid, f"{worker.dead} before the KV arrived"), dm.encode)
+
+
+def worker_devices(device: str, count: int) -> list[str]:
+    """One device per worker: a bare ``cuda`` spreads the workers over the visible GPUs in
+    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all."""
+    if device != "cuda":
+        return [device] * count
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise ValueError("--device cuda, but no GPU is visible")
+    return [f"cuda:{i % n}" for i in range(count)]
 
 
 def _candidates(workers: list[WorkerProcess]) -> list[Candidate]:
