@@ -115,6 +115,11 @@ class CacheConfig:
     memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     cache_salt: str = ""
+    # tiers below the cache (engine.kv_cache.tiered); off unless asked for (ferry serve does)
+    host_memory_gb: float = 0.0  # host-memory tier (pinned where the cache is on a GPU)
+    kv_dir: str = ""  # file tier directory, shared by the machine's workers ("": none)
+    file_capacity_gb: float = 20.0
+    file_ttl_hours: float = 72.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
+    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs, every step runs eagerly
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

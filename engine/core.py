@@ -21,11 +21,12 @@ import torch
 
 from engine import envs
 from engine.attention import backend_for
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.ipc import worker_sockets
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.layout import KVCache, KVCacheLayout
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.tiered import KVTiers
 from engine.loader import load_model
 from engine.messages import (
     AbortRequests,
@@ -81,11 +82,14 @@ class EngineCore:
             self.kv_cache, mc.num_heads, mc.num_kv_heads, mc.head_dim, loaded.model.attention_scale
         )
         pool = BlockPool(cache_cfg.num_blocks, cache_cfg.enable_prefix_caching)
-        self.kv = KVCacheManager(pool, cache_cfg.block_size)
+        self.kv = KVCacheManager(pool, cache_cfg.block_size, self._tiers(cache_cfg, mc.fingerprint))
         self.max_model_len = self.config.scheduler.max_model_len
         self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len)
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
+        if torch.device(config.device).type == "cuda" and not config.enforce_eager:
+            sched = self.config.scheduler
+            self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
         self._hash_extra = extra_keys(mc.fingerprint)
         so = config.structured
         self.grammars = GrammarGate(
@@ -93,6 +97,15 @@ class EngineCore:
                 loaded.tokenizer, mc.vocab_size, so.grammar_cache_mb << 20, so.compile_threads
             )
         )
+
+    def _tiers(self, cache: CacheConfig, fingerprint: str) -> KVTiers | None:
+        """Host and file tiers below the KV cache, as ``cache`` asks (none by default)."""
+        if not cache.enable_prefix_caching:
+            return None
+        return KVTiers.build(
+            self.kv_cache, fingerprint, int(cache.host_memory_gb * 2**30), cache.kv_dir,
+            int(cache.file_capacity_gb * 2**30), cache.file_ttl_hours * 3600.0,
+        )  # fmt: skip
 
     def _resolve(self, config: EngineConfig, layout: KVCacheLayout) -> EngineConfig:
         """Fill in what is only known now: block count and context length."""

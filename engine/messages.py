@@ -58,8 +58,23 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefix_query_tokens: int = 0  # cumulative prompt tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # cumulative tokens found there
+    prefix_hit_tokens: int = 0  # cumulative tokens found there (any tier)
     num_preemptions: int = 0  # cumulative
+    # KV tiers (engine.kv_cache.tiered); all cumulative except the host blocks
+    prefix_hit_tokens_device: int = 0
+    prefix_hit_tokens_host: int = 0
+    prefix_hit_tokens_file: int = 0
+    kv_host_blocks_used: int = 0
+    kv_host_blocks_total: int = 0
+    kv_host_bytes_read: int = 0
+    kv_host_bytes_written: int = 0
+    kv_host_evictions: int = 0
+    kv_file_bytes_read: int = 0
+    kv_file_bytes_written: int = 0
+    kv_file_evictions: int = 0  # over capacity
+    kv_file_expired: int = 0  # past the TTL
+    kv_file_checksum_failures: int = 0
+    kv_file_writes_dropped: int = 0  # the writer's queue was full
 
 
 class EngineOutputs(msgspec.Struct, tag=True):

@@ -131,6 +131,7 @@ class Scheduler:
     # -- folding results back ----------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        self.kv.commit()  # the blocks this plan filled are computed now
         outputs = []
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
@@ -194,6 +195,7 @@ class Scheduler:
             prefix_query_tokens=self.kv.query_tokens,
             prefix_hit_tokens=self.kv.hit_tokens,
             num_preemptions=self.num_preemptions,
+            **self.kv.tier_stats(),
         )
 
     def check_integrity(self) -> None:

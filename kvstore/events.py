@@ -10,8 +10,10 @@ from engine.kv_cache.block_pool import BlockEvent
 class KVEvent(msgspec.Struct, array_like=True, frozen=True):
     kind: str  # "stored" | "removed"
     block_hash: bytes
-    tier: str = "device"  # the worker's own KV cache (GPU or CPU memory)
+    # "device": the worker's own KV cache (GPU or CPU memory); "host": its host-memory tier;
+    # "file": the file tier, which every worker on the machine shares
+    tier: str = "device"
 
 
-def from_block_events(events: list[BlockEvent], tier: str = "device") -> list[KVEvent]:
-    return [KVEvent(e.kind, e.block_hash, tier) for e in events]
+def from_block_events(events: list[BlockEvent]) -> list[KVEvent]:
+    return [KVEvent(e.kind, e.block_hash, e.tier) for e in events]

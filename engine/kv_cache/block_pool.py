@@ -6,12 +6,14 @@ A block is in exactly one of three states:
   ``allocate`` needs the space and evicts it (least recently freed first);
 - *free*: ``ref_count == 0`` without a hash.
 Free blocks (cached or not) wait in one LRU queue. Block 0 is the null block and is
-never handed out.
+never handed out. ``on_evict`` (the tiers below, ``engine.kv_cache.tiered``) sees a cached
+block's id and hash before ``allocate`` hands it out again, while its content is intact.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.hashing import BlockHash
@@ -26,10 +28,12 @@ class Block:
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """A change of what the cache holds, for whoever indexes it (the router)."""
+    """A change of what the cache (or a tier below it) holds, for whoever indexes it (the
+    router)."""
 
     kind: str  # "stored" | "removed"
     block_hash: BlockHash
+    tier: str = "device"  # "device" (this pool) | "host" | "file"
 
 
 class BlockPool:
@@ -42,6 +46,8 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[BlockHash, Block] = {}
         self.events: list[BlockEvent] = []
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
+        self._event_sources: list[Callable[[], list[BlockEvent]]] = []
 
     @property
     def num_free(self) -> int:
@@ -80,6 +86,8 @@ class BlockPool:
         out = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
+            if block.block_hash is not None and self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_count = 1
             out.append(block)
@@ -95,20 +103,28 @@ class BlockPool:
             if block.ref_count == 0:
                 self._free[block.block_id] = block
 
-    def cache(self, block: Block, block_hash: BlockHash) -> None:
-        """Publish a full block under its hash. A hash already held keeps its block."""
+    def cache(self, block: Block, block_hash: BlockHash) -> bool:
+        """Publish a full block under its hash; False when it was published already or the
+        hash is held by another block (which keeps it)."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self.events.append(BlockEvent("stored", block_hash))
+        return True
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             self._evict(block)
 
+    def add_event_source(self, drain: Callable[[], list[BlockEvent]]) -> None:
+        """``drain_events`` also returns what ``drain()`` hands over (the tiers' events)."""
+        self._event_sources.append(drain)
+
     def drain_events(self) -> list[BlockEvent]:
         events, self.events = self.events, []
+        for drain in self._event_sources:
+            events.extend(drain())
         return events
 
     def _evict(self, block: Block) -> None:

@@ -1,44 +1,66 @@
-"""Per-request block bookkeeping on top of the BlockPool."""
+"""Per-request block bookkeeping on top of the BlockPool, and the tiers below it.
+
+A request's prefix comes from the best tier that holds it: the device cache (blocks are
+shared), then host memory and files (``KVTiers``; their content is copied into fresh
+blocks when the request gets them). Hits count in whole blocks, and the prompt's last
+token is always left to compute.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import Block, BlockPool
+from engine.kv_cache.tiered import KVTiers, TierHit
 from engine.request import Request
+from kvstore.hashing import BlockHash
+
+TIERS = ("device", "host", "file")
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Blocks already holding a request's leading tokens."""
+    """A request's leading tokens already held somewhere: ``blocks`` in the device cache,
+    then ``loads`` from the tiers below (copied into fresh blocks by ``reserve``)."""
 
     blocks: list[Block]
     num_tokens: int
+    loads: tuple[TierHit, ...] = ()
 
 
 NO_MATCH = PrefixMatch([], 0)
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, tiers: KVTiers | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.tiers = tiers
         self.query_tokens = 0  # cumulative prompt tokens looked up
-        self.hit_tokens = 0  # cumulative tokens found
+        self.hit_tokens = 0  # cumulative tokens found, in any tier
+        self.hit_tokens_by_tier = dict.fromkeys(TIERS, 0)
+        self._computing: list[tuple[Block, BlockHash]] = []  # published, filled by this step
+        if tiers is not None:
+            pool.on_evict = tiers.offload
+            pool.add_event_source(tiers.drain_events)
 
     def match_prefix(self, req: Request) -> PrefixMatch:
-        """Longest cached prefix of ``req``, leaving at least its last token to compute
-        (something must run through the model to sample from)."""
+        """Longest cached prefix of ``req`` over all tiers, leaving at least its last token
+        to compute (something must run through the model to sample from)."""
         if not self.pool.enable_caching:
             return NO_MATCH
         limit = req.num_tokens - 1
         hashes = req.full_block_hashes(self.block_size, limit)
         blocks = self.pool.lookup(hashes)
-        return PrefixMatch(blocks, len(blocks) * self.block_size)
+        loads = () if self.tiers is None else tuple(self.tiers.match(hashes[len(blocks) :]))
+        return PrefixMatch(blocks, (len(blocks) + len(loads)) * self.block_size, loads)
 
     def record_lookup(self, req: Request, match: PrefixMatch) -> None:
         self.query_tokens += req.num_tokens
         self.hit_tokens += match.num_tokens
+        self.hit_tokens_by_tier["device"] += len(match.blocks) * self.block_size
+        for hit in match.loads:
+            self.hit_tokens_by_tier[hit.tier] += self.block_size
 
     def blocks_needed(
         self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH
@@ -56,34 +78,58 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> None:
         """Give ``req`` the prefix blocks and enough fresh blocks for ``num_new_tokens``
-        more tokens, then publish every block those tokens fill. Check ``can_allocate``
+        more tokens, then publish every block those tokens fill (the step computes them;
+        ``commit`` after it writes them through to the file tier). Check ``can_allocate``
         first; this raises MemoryError when the pool is short."""
         self.reserve(req, num_new_tokens, match)
-        self.publish(req, req.num_computed_tokens + num_new_tokens)
+        self._computing += self._publish_full_blocks(req, req.num_computed_tokens + num_new_tokens)
 
     def reserve(self, req: Request, num_new_tokens: int, match: PrefixMatch = NO_MATCH) -> None:
         """``allocate`` without publishing: for blocks whose content arrives later (a KV
-        transfer), which must not be found by a prefix match before it has landed."""
+        transfer), which must not be found by a prefix match before it has landed. Tier
+        hits are loaded into their fresh blocks here."""
         need = self.blocks_needed(req, num_new_tokens, match)
         self.pool.touch(match.blocks)
         req.blocks.extend(match.blocks)
+        if match.loads:
+            assert self.tiers is not None
+            with self.tiers.pinned(match.loads):  # evictions below must not drop them
+                fresh = self.pool.allocate(need)
+                self.tiers.load(match.loads, [b.block_id for b in fresh])
+        else:
+            fresh = self.pool.allocate(need)
+        req.blocks.extend(fresh)
         req.num_computed_tokens += match.num_tokens
-        req.blocks.extend(self.pool.allocate(need))
 
     def publish(self, req: Request, num_tokens: int) -> None:
-        """Publish the full blocks among ``req``'s first ``num_tokens`` tokens."""
+        """Publish the full blocks among ``req``'s first ``num_tokens`` tokens, whose content
+        is in place (a KV transfer landed; the worker that computed it wrote it through)."""
         self._publish_full_blocks(req, num_tokens)
+
+    def commit(self) -> None:
+        """The step that computes the blocks ``allocate`` published has run: write them
+        through to the file tier."""
+        done, self._computing = self._computing, []
+        if self.tiers is not None and done:
+            self.tiers.write_through([(b.block_id, h) for b, h in done if b.block_hash == h])
 
     def free(self, req: Request) -> None:
         self.pool.free(list(reversed(req.blocks)))
         req.blocks = []
         req.num_computed_tokens = 0
 
-    def _publish_full_blocks(self, req: Request, num_tokens: int) -> None:
+    def _publish_full_blocks(self, req: Request, num_tokens: int) -> list[tuple[Block, BlockHash]]:
         if not self.pool.enable_caching:
-            return
-        for block, h in zip(req.blocks, req.full_block_hashes(self.block_size, num_tokens)):
-            self.pool.cache(block, h)
+            return []
+        hashes = req.full_block_hashes(self.block_size, num_tokens)
+        return [(b, h) for b, h in zip(req.blocks, hashes) if self.pool.cache(b, h)]
+
+    def tier_stats(self) -> dict[str, int]:
+        """Hits by tier and the tiers' counters, as ``EngineStats`` fields."""
+        stats = {f"prefix_hit_tokens_{t}": n for t, n in self.hit_tokens_by_tier.items()}
+        if self.tiers is not None:
+            stats.update(self.tiers.stats())
+        return stats
 
     def check_integrity(self, requests: list[Request]) -> None:
         """Every block is held exactly by the requests that list it; all others are free."""
@@ -92,3 +138,5 @@ class KVCacheManager:
             for block in req.blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         self.pool.check_integrity(holders)
+        if self.tiers is not None:
+            self.tiers.check_integrity()
