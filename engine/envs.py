@@ -36,5 +36,8 @@ DEBUG_INTEGRITY: EnvVar[bool] = EnvVar(
     "FERRY_DEBUG_INTEGRITY", bool, False, "check KV block bookkeeping whenever the engine idles"
 )
 LOG_LEVEL: EnvVar[str] = EnvVar("FERRY_LOG_LEVEL", str, "info", "log level of ferry's processes")
+KV_DIR: EnvVar[str | None] = EnvVar(
+    "FERRY_KV_DIR", str, None, "default of ferry serve --kv-dir (else ~/.cache/ferry/kv)"
+)
 
-REGISTRY = {v.name: v for v in (API_KEY, DEBUG_INTEGRITY, LOG_LEVEL)}
+REGISTRY = {v.name: v for v in (API_KEY, DEBUG_INTEGRITY, LOG_LEVEL, KV_DIR)}

@@ -2,8 +2,9 @@
 
 The server records what it sees (requests by endpoint and status, TTFT, inter-token
 and end-to-end latency, prompt and generated tokens). Engine-side numbers (running and
-waiting requests, KV blocks, prefix-cache tokens, preemptions) are read from the
-engine client's latest ``EngineStats`` at scrape time by ``EngineStatsCollector``.
+waiting requests, KV blocks, prefix-cache tokens, preemptions, the KV tiers' hits, bytes
+and evictions) are read from the engine client's latest ``EngineStats`` at scrape time by
+``EngineStatsCollector``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,42 @@ class EngineStatsCollector(Collector):
             ("num_preemptions", "Requests preempted by the engine", stats.num_preemptions),
         ):  # fmt: skip
             yield CounterMetricFamily(f"ferry_{name}", doc, value=value)
+        yield from _tier_metrics(stats)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The KV tiers below the cache (host memory, files): hits, bytes, evictions."""
+    by_tier = (
+        ("kv_tier_hit_tokens", "Prompt tokens served from each KV tier",
+         (s.prefix_hit_tokens_device, s.prefix_hit_tokens_host, s.prefix_hit_tokens_file)),
+        ("kv_tier_read_bytes", "Bytes read from each KV tier",
+         (None, s.kv_host_bytes_read, s.kv_file_bytes_read)),
+        ("kv_tier_written_bytes", "Bytes written to each KV tier",
+         (None, s.kv_host_bytes_written, s.kv_file_bytes_written)),
+        ("kv_tier_evictions", "Blocks evicted from each KV tier for room",
+         (None, s.kv_host_evictions, s.kv_file_evictions)),
+    )  # fmt: skip
+    for name, doc, values in by_tier:
+        family = CounterMetricFamily(f"ferry_{name}", doc, labels=["tier"])
+        for tier, value in zip(("device", "host", "file"), values, strict=True):
+            if value is not None:
+                family.add_metric([tier], value)
+        yield family
+    for name, doc, value in (
+        ("kv_file_expired", "KV block files removed past their TTL", s.kv_file_expired),
+        ("kv_file_checksum_failures", "KV block files that failed their checksum (removed)",
+         s.kv_file_checksum_failures),
+        ("kv_file_writes_dropped", "KV blocks not written to files: the writer was behind",
+         s.kv_file_writes_dropped),
+    ):  # fmt: skip
+        yield CounterMetricFamily(f"ferry_{name}", doc, value=value)
+    yield GaugeMetricFamily("ferry_kv_host_blocks_used", "KV blocks held in host memory",
+                            value=s.kv_host_blocks_used)  # fmt: skip
+    yield GaugeMetricFamily("ferry_kv_host_blocks_total", "KV block slots in host memory",
+                            value=s.kv_host_blocks_total)  # fmt: skip
 
 
 class Metrics:

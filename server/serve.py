@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from typing import Any
 
 from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from router.config import PDConfig
+from router.policies import POLICIES
 from server.config import ServerConfig
 
 log = logging.getLogger("ferry.server")
@@ -45,6 +47,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", help="cpu or cuda[:i]")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="CUDA: no decode CUDA graphs, run every step eagerly")  # fmt: skip
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
     p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
@@ -60,7 +64,55 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "of its tokens are not in its prefix cache")
     topo.add_argument("--kv-transfer-timeout", type=float, default=120.0,
                       help="seconds a decode worker keeps blocks reserved for KV to arrive")
+    topo.add_argument("--router-policy", choices=sorted(POLICIES), default="cache_aware",
+                      help="how the prefill and the decode worker of a request are chosen")
+    tiers = p.add_argument_group("KV tiers below each worker's KV cache")
+    tiers.add_argument("--kv-tiers", type=_tier_list, default="host,file",
+                       help="which tiers: 'host', 'file', 'host,file' (default) or 'none'")
+    tiers.add_argument("--host-kv-cache-gb", type=_at_least(0.0), default=4.0,
+                       help="host memory per worker for KV blocks evicted from its cache")
+    tiers.add_argument("--kv-dir", help="file tier directory, shared by every worker of the "
+                       f"machine (default: ${envs.KV_DIR.name} or ~/.cache/ferry/kv)")
+    tiers.add_argument("--kv-file-capacity-gb", type=_at_least(1e-6), default=20.0,
+                       help="most bytes of KV files; least recently used go first")
+    tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6), default=72.0,
+                       help="a KV file unused this long is removed")
     return p  # fmt: skip
+
+
+def _tier_list(text: str) -> frozenset[str]:
+    names = frozenset(t.strip() for t in text.split(",") if t.strip())
+    if names == {"none"}:
+        return frozenset()
+    if not names or not names <= {"host", "file"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected host, file, host,file or none")
+    return names
+
+
+def _at_least(low: float):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not value >= low:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text} is below {low:g}")
+        return value
+
+    return parse
+
+
+def default_kv_dir() -> str:
+    """``$FERRY_KV_DIR``, else ``ferry/kv`` in the user's cache directory."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return envs.KV_DIR.get() or os.path.join(cache_home, "ferry", "kv")
+
+
+def _tier_fields(args: argparse.Namespace) -> dict[str, Any]:
+    kv_dir = args.kv_dir or default_kv_dir()
+    return {
+        "host_memory_gb": args.host_kv_cache_gb if "host" in args.kv_tiers else 0.0,
+        "kv_dir": os.path.abspath(os.path.expanduser(kv_dir)) if "file" in args.kv_tiers else "",
+        "file_capacity_gb": args.kv_file_capacity_gb,
+        "file_ttl_hours": args.kv_file_ttl_hours,
+    }
 
 
 def _given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
@@ -70,7 +122,10 @@ def _given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    cache = CacheConfig(**_given(args, block_size="block_size", memory_gb="kv_cache_memory_gb"))
+    cache = CacheConfig(
+        **_given(args, block_size="block_size", memory_gb="kv_cache_memory_gb"),
+        **_tier_fields(args),
+    )
     scheduler = SchedulerConfig(
         **_given(
             args,
@@ -86,7 +141,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             compile_threads="grammar_compile_threads",
         )
     )
-    top = _given(args, seed="seed", num_threads="threads", device="device", dtype="dtype")
+    top = _given(
+        args, seed="seed", num_threads="threads", device="device", dtype="dtype",
+        enforce_eager="enforce_eager",
+    )  # fmt: skip
     return EngineConfig(
         model=args.model, cache=cache, scheduler=scheduler, structured=structured, **top
     )
@@ -102,6 +160,7 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         transport=args.kv_transport,
         local_prefill_tokens=args.local_prefill_tokens,
         transfer_timeout_s=args.kv_transfer_timeout,
+        policy=args.router_policy,
     )
 
 

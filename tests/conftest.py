@@ -26,6 +26,32 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+def _own_kv_dir(request: pytest.FixtureRequest, factory: pytest.TempPathFactory):
+    """Point ``FERRY_KV_DIR`` (the default of ``ferry serve --kv-dir``) at a fresh
+    directory while the fixture's scope lasts."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FERRY_KV_DIR", str(factory.mktemp(f"kv-{request.scope}")))
+        yield
+
+
+# A server started in a test, a module fixture or a session fixture gets a KV file tier of
+# its own (autouse fixtures run first in their scope): no test sees blocks that another
+# test's server wrote, and nothing lands in the user's cache directory.
+@pytest.fixture(scope="session", autouse=True)
+def _session_kv_dir(request, tmp_path_factory):
+    yield from _own_kv_dir(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_kv_dir(request, tmp_path_factory):
+    yield from _own_kv_dir(request, tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def _test_kv_dir(request, tmp_path_factory):
+    yield from _own_kv_dir(request, tmp_path_factory)
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path() -> Path:
     return default_model_path()

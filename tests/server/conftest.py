@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,3 +120,9 @@ def doomed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log_path = tmp_path_factory.mktemp("ferry-doomed") / "serve.log"
     with run_server(log_path, "--model", "dummy:tiny", "--threads", "1") as s:
         yield s
+
+
+@pytest.fixture
+def serve() -> Callable[..., contextlib.AbstractContextManager[Server]]:
+    """``run_server`` itself, for tests that start (and restart) servers of their own."""
+    return run_server

@@ -9,7 +9,7 @@ import socket
 import pytest
 import uvicorn
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from server import serve
 from server.cli import SUBCOMMANDS, build_parser
 
@@ -18,9 +18,11 @@ def parse(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
-def test_defaults_come_from_the_config_dataclasses():
+def test_defaults_come_from_the_config_dataclasses(monkeypatch, tmp_path):
+    monkeypatch.setenv("FERRY_KV_DIR", str(tmp_path))
     args = parse()
-    assert serve.engine_config(args) == EngineConfig(model="default")
+    tiers = CacheConfig(host_memory_gb=4.0, kv_dir=str(tmp_path))  # the tiers are serve's
+    assert serve.engine_config(args) == EngineConfig(model="default", cache=tiers)
     config = serve.server_config(args)
     assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
 
@@ -39,6 +41,32 @@ def test_flags_build_a_frozen_engine_config():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.seed = 4  # type: ignore[misc]
     assert serve.server_config(args).served_model_name == "tiny"
+
+
+def test_kv_tier_flags(monkeypatch, tmp_path):
+    monkeypatch.delenv("FERRY_KV_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = serve.engine_config(parse()).cache
+    assert cache.kv_dir == str(tmp_path / "ferry" / "kv")  # the user's cache directory
+    cache = serve.engine_config(parse(
+        "--kv-tiers", "file", "--kv-dir", str(tmp_path / "kv"), "--kv-file-ttl-hours", "2",
+        "--kv-file-capacity-gb", "0.5",
+    )).cache  # fmt: skip
+    assert (cache.host_memory_gb, cache.kv_dir) == (0.0, str(tmp_path / "kv"))
+    assert (cache.file_ttl_hours, cache.file_capacity_gb) == (2.0, 0.5)
+    cache = serve.engine_config(parse("--kv-tiers", "none", "--host-kv-cache-gb", "1")).cache
+    assert (cache.host_memory_gb, cache.kv_dir) == (0.0, "")
+    assert serve.engine_config(parse("--kv-tiers", "host")).cache.host_memory_gb == 4.0
+
+
+@pytest.mark.parametrize("argv", [
+    ["--kv-tiers", "gpu"], ["--kv-tiers", ""], ["--host-kv-cache-gb", "-1"],
+    ["--kv-file-ttl-hours", "0"], ["--kv-file-capacity-gb", "nan"],
+])  # fmt: skip
+def test_bad_kv_tier_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert "argument --" in capsys.readouterr().err
 
 
 def test_api_key_from_flag_or_environment(monkeypatch):
