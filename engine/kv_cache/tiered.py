@@ -148,6 +148,8 @@ class KVTiers:
             self._block(block_id).copy_(data)
         for hit in hits:
             self._staged.pop(hit.block_hash, None)
+            if hit.data is not None and self.file is not None:
+                self.file.recycle(hit.data)  # copied: its buffer serves the next read
 
     # -- reporting ------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ class FileTier:
             raise ValueError(f"KV file directory {directory}: {exc.strerror}") from exc
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise ValueError(f"KV file directory {self.root} is not writable")
+        self._root = str(self.root)
         self.ttl_s = ttl_s
         self.clock = clock
         self.io = io or open_block_io(str(self.root), self.file_bytes)
@@ -86,6 +87,7 @@ class FileTier:
         self._pending: dict[BlockHash, torch.Tensor] = {}  # queued for the writer
         self._pending_bytes = 0
         self._queue: queue.Queue = queue.Queue()
+        self._buffers: list[bytearray] = []  # read buffers, recycled
         self._host = socket.gethostname()
         self.bytes_read = 0
         self.bytes_written = 0
@@ -100,8 +102,11 @@ class FileTier:
         atexit.register(self.close)
 
     def path(self, block_hash: BlockHash) -> Path:
+        return Path(self._path(block_hash))
+
+    def _path(self, block_hash: BlockHash) -> str:
         hexd = block_hash.hex()
-        return self.root / hexd[:2] / f"{hexd}{_SUFFIX}"
+        return f"{self._root}/{hexd[:2]}/{hexd}{_SUFFIX}"
 
     def __len__(self) -> int:
         """Files this process knows of (its index), queued writes included."""
@@ -122,14 +127,14 @@ class FileTier:
             queued = self._pending.get(block_hash)
         if queued is not None:
             return queued
-        path = self.path(block_hash)
+        path = self._path(block_hash)
         try:
             mtime = os.stat(path).st_mtime
             now = self.clock()
             if now - mtime > self.ttl_s:
                 self._remove(block_hash, "expired")
                 return None
-            data = self.io.read(str(path))
+            data = self.io.read(path, self._take_buffer())
         except FileNotFoundError:
             with self._lock:
                 self._index.pop(block_hash, None)
@@ -139,13 +144,28 @@ class FileTier:
         except CorruptBlock as exc:
             log.warning("KV block file %s is corrupt (%s): removed", path, exc)
             self._remove(block_hash, "corrupt")
+            self.recycle(data)
             return None
+        block._ferry_buffer = data  # type: ignore[attr-defined]  # for ``recycle``
         self._touch(path, now)
         with self._lock:
             self._index[block_hash] = now
             self._index.move_to_end(block_hash)
             self.bytes_read += len(data)
         return block
+
+    def recycle(self, block: torch.Tensor | bytearray) -> None:
+        """Hand back the buffer under a block ``load`` returned, once it has been copied
+        out, for the next read (fresh buffers of this size cost page faults)."""
+        buf = block if isinstance(block, bytearray) else getattr(block, "_ferry_buffer", None)
+        if buf is not None and len(buf) == self.file_bytes and len(self._buffers) < 64:
+            self._buffers.append(buf)
+
+    def _take_buffer(self) -> bytearray | None:
+        try:
+            return self._buffers.pop()
+        except IndexError:  # empty (pop is atomic: no lock needed)
+            return None
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -257,7 +277,7 @@ class FileTier:
             self._remove(victim, "evicted")
 
     def _remove(self, block_hash: BlockHash, why: str) -> None:
-        _unlink(self.path(block_hash))
+        _unlink(self._path(block_hash))
         with self._lock:
             self._index.pop(block_hash, None)
             if why == "expired":
@@ -302,7 +322,7 @@ class FileTier:
             _unlink(Path(entry.path))
 
     @staticmethod
-    def _touch(path: Path, now: float) -> None:
+    def _touch(path: str, now: float) -> None:
         with contextlib.suppress(OSError):  # removed meanwhile: the next load misses
             os.utime(path, (now, now))
 
@@ -318,7 +338,7 @@ class FileTier:
             }
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
 

@@ -25,8 +25,10 @@ class BlockIO(ABC):
     name: str
 
     @abstractmethod
-    def read(self, path: str) -> bytearray:
-        """The file's whole content; ``FileNotFoundError`` if it is gone."""
+    def read(self, path: str, buf: bytearray | None = None) -> bytearray:
+        """The file's whole content, in ``buf`` when it has the file's size (a recycled
+        buffer: no allocation, no page faults), else in a new one; ``FileNotFoundError``
+        if the file is gone."""
 
     @abstractmethod
     def write(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
@@ -36,11 +38,12 @@ class BlockIO(ABC):
 class PosixIO(BlockIO):
     name = "posix"
 
-    def read(self, path: str) -> bytearray:
+    def read(self, path: str, buf: bytearray | None = None) -> bytearray:
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            buf = bytearray(size)
+            if buf is None or len(buf) != size:
+                buf = bytearray(size)
             view, got = memoryview(buf), 0
             while got < size:
                 n = os.readv(fd, [view[got:]])
@@ -109,7 +112,7 @@ class UsrbioIO(BlockIO):
         finally:
             self._h3.deregister_fd(fd)
 
-    def read(self, path: str) -> bytearray:
+    def read(self, path: str, buf: bytearray | None = None) -> bytearray:
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -117,7 +120,10 @@ class UsrbioIO(BlockIO):
                 raise OSError(f"{path}: {size} bytes, larger than any block file")
             with self._lock:
                 got = self._io(fd, size, True)
-                return bytearray(self._shm.buf[:got])
+                if buf is None or len(buf) != got:
+                    return bytearray(self._shm.buf[:got])
+                buf[:] = self._shm.buf[:got]
+                return buf
         finally:
             os.close(fd)
 

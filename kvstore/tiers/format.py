@@ -17,6 +17,7 @@ the payload, so a flipped byte or a truncated file anywhere is ``CorruptBlock``.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class BlockMeta:
     components: tuple[tuple[str, tuple[int, ...]], ...]  # (name, per-token shape)
     dtype: torch.dtype
 
-    @property
+    @functools.cached_property
     def token_width(self) -> int:
         width = 0
         for _, shape in self.components:
@@ -55,11 +56,11 @@ class BlockMeta:
             width += n
         return width
 
-    @property
+    @functools.cached_property
     def block_shape(self) -> tuple[int, int, int]:
         return (self.num_layers, self.block_size, self.token_width)
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
         item = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * self.block_size * self.token_width * item
@@ -76,7 +77,7 @@ class BlockMeta:
             "block_size": self.block_size,
         }
 
-    @property
+    @functools.cached_property
     def namespace(self) -> str:
         """Directory name shared by every file of this layout: files of another model,
         dtype or block size never collide with these (the hash does not cover dtype)."""
@@ -84,9 +85,15 @@ class BlockMeta:
         return f"v{VERSION}-{xxhash.xxh3_64_hexdigest(text.encode())}"
 
     def header(self, block_hash: BlockHash) -> bytes:
-        fields = {**self.describe(), "block_hash": block_hash.hex(),
-                  "payload_bytes": self.payload_bytes}  # fmt: skip
-        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        before, after = self._header_around_hash
+        return before + block_hash.hex().encode() + after
+
+    @functools.cached_property
+    def _header_around_hash(self) -> tuple[bytes, bytes]:
+        fields = {**self.describe(), "block_hash": "@", "payload_bytes": self.payload_bytes}
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        before, _, after = text.partition(b'"@"')
+        return before + b'"', b'"' + after
 
 
 def pack(meta: BlockMeta, block_hash: BlockHash, block: torch.Tensor) -> list[bytes | memoryview]:
