@@ -293,6 +293,7 @@ class FileTier:
         files, then apply the TTL and the capacity bound."""
         found: dict[BlockHash, float] = {}
         now = time.time()
+        started = self.clock()
         for sub in _listdir(self.root):
             for entry in _scandir(self.root / sub):
                 if entry.name.endswith(_TMP_SUFFIX):
@@ -305,8 +306,9 @@ class FileTier:
                 except (ValueError, OSError):
                     continue
         with self._lock:
-            for h, used in self._index.items():  # our own newer uses win
-                found[h] = max(used, found.get(h, used))
+            for h, used in self._index.items():
+                if h in found or used >= started:  # gone from disk unless used since
+                    found[h] = max(used, found.get(h, used))
             self._index = OrderedDict(sorted(found.items(), key=lambda kv: kv[1]))
         self.sweep()
 

@@ -198,6 +198,11 @@ def test_a_block_another_writer_stored_is_loaded_and_scanned(tmp_path, tiers):
     b.scan()  # learns all three; over b's capacity of two: the least recently used goes
     assert len(list(tmp_path.rglob("*.kv"))) == 2
     assert b.path(h(1)).exists()  # the one b loaded (renewed) stays
+    a.path(h(1)).unlink()  # removed by another worker: a's next scan forgets it
+    assert a.known(h(1))
+    clock.now += 1
+    a.scan()
+    assert not a.known(h(1)) and a.put(h(1), blk(1))
 
 
 def test_writes_never_block_a_full_queue_drops(tmp_path, tiers):
