@@ -28,6 +28,11 @@ Logprobs are the raw model's, as vLLM reports them by default: ``log_softmax`` o
 logits before any step above; the sampled token's plus the ``params.logprobs`` best tokens,
 best first.
 
+No host-device synchronisation: on CUDA every host value (parameters, row indices, token ids)
+reaches the device through a non-blocking copy from pinned memory, sizes that depend on the
+data (top-p's candidate count) are replaced by fixed ones, and ``Sampler.sample`` returns
+device tensors; ``SampledTokens.to_host`` is the step's one deliberate device-to-host copy.
+
 Reproducibility: a row is sampled by inverse CDF from exactly one uniform number per step,
 drawn from the row's own ``generator`` when it has one (else from the sampler's shared one),
 and every tensor computed for a row depends on that row alone. A seeded request therefore gets
@@ -89,6 +94,21 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
 
 
+@dataclass
+class SampledTokens:
+    """A step's choices, still on the device: ``to_host`` copies them over (it waits for the
+    device; everything before it only queues work)."""
+
+    tokens: torch.Tensor  # [N] int64
+    logprobs: _DeviceLogprobs | None = None
+
+    def to_host(self) -> SamplerOutput:
+        token_ids = self.tokens.tolist()
+        if self.logprobs is None:
+            return SamplerOutput(token_ids, [None] * len(token_ids))
+        return SamplerOutput(token_ids, self.logprobs.to_host(len(token_ids)))
+
+
 class Sampler:
     """Chooses the next token of every row; see the module docstring for the contract."""
 
@@ -105,15 +125,21 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
     ) -> SamplerOutput:
+        return self.sample(logits, rows, mask).to_host()
+
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
+    ) -> SampledTokens:
+        """The same choices as ``__call__``, left on the device (queued, never waited for)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab {self.vocab_size}")
         if not rows:
-            return SamplerOutput([], [])
+            return SampledTokens(torch.empty(0, dtype=torch.long))
         raw = logits[:, : self.vocab_size]
         tokens = self._choose(apply_mask(process_logits(raw, rows), raw, mask), rows)
-        return SamplerOutput(tokens.tolist(), token_logprobs(raw, rows, tokens))
+        return SampledTokens(tokens, token_logprobs_on_device(raw, rows, tokens))
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -122,8 +148,8 @@ class Sampler:
         rest = [i for i, row in enumerate(rows) if not row.params.greedy]
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if greedy:
-            tokens[greedy] = _take(logits, greedy).argmax(-1)
-        tokens[rest] = self._sample(_take(logits, rest), [rows[i] for i in rest])
+            tokens[_on(greedy, logits)] = _take(logits, greedy).argmax(-1)
+        tokens[_on(rest, logits)] = self._sample(_take(logits, rest), [rows[i] for i in rest])
         return tokens
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -139,8 +165,11 @@ class Sampler:
         """One uniform number in [0, 1) per row, from the row's own generator when it has one."""
         u = torch.empty(len(rows), device=self.device)
         shared = [i for i, row in enumerate(rows) if row.generator is None]
+        if len(shared) == len(rows):
+            return torch.rand(len(rows), device=self.device, generator=self.generator)
         if shared:
-            u[shared] = torch.rand(len(shared), device=self.device, generator=self.generator)
+            drawn = torch.rand(len(shared), device=self.device, generator=self.generator)
+            u[_on(shared, u)] = drawn
         for i, row in enumerate(rows):
             if row.generator is not None:
                 u[i] = torch.rand(1, device=self.device, generator=row.generator)[0]
@@ -176,7 +205,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     ]
     if entries:
         row_ids, token_ids, biases = zip(*entries, strict=True)
-        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+        values = _on(biases, logits, logits.dtype)
         logits.index_put_(_index(row_ids, token_ids, logits.device), values, accumulate=True)
 
 
@@ -191,7 +220,9 @@ def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> N
     ]
     if entries:
         row_ids, token_ids = zip(*entries, strict=True)
-        logits[_index(row_ids, token_ids, logits.device)] = NEG_INF
+        # a tensor of -inf, not the float: a Python scalar would be copied over from the host
+        fill = torch.full((len(entries),), NEG_INF, dtype=logits.dtype, device=logits.device)
+        logits.index_put_(_index(row_ids, token_ids, logits.device), fill)
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -207,12 +238,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     vocab, flat = logits.shape[1], logits.view(-1)
     repeated = [i for i in index if rows[i].params.repetition_penalty != 1.0]
     if repeated:
-        seen = _flat_ids(rows, repeated, vocab, prompt=True).to(logits.device).unique()
+        seen = _on(_flat_ids(rows, repeated, vocab, prompt=True).unique(), logits)
         penalty = _per_row(rows, "repetition_penalty", logits)[seen // vocab]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    keys, counts = _flat_ids(rows, index, vocab).to(logits.device).unique(return_counts=True)
+    keys, counts = _flat_ids(rows, index, vocab).unique(return_counts=True)  # on the host
     if keys.numel():
+        keys, counts = _on(keys, logits), _on(counts, logits)
         owner = keys // vocab
         frequency = _per_row(rows, "frequency_penalty", logits)[owner]
         presence = _per_row(rows, "presence_penalty", logits)[owner]
@@ -236,8 +268,7 @@ def _flat_ids(
 
 def _per_row(rows: Sequence[SamplingRow], name: str, like: torch.Tensor) -> torch.Tensor:
     """One ``SamplingParams`` field of every row, as a tensor."""
-    values = [getattr(row.params, name) for row in rows]
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return _on([getattr(row.params, name) for row in rows], like, like.dtype)
 
 
 def apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
@@ -261,9 +292,9 @@ def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> None:
     index = [i for i, k in enumerate(top_k) if 0 < k < logits.shape[1]]
     if not index:
         return
-    ks = torch.tensor([top_k[i] for i in index], device=logits.device)
+    ks = [top_k[i] for i in index]
     x = _take(logits, index)
-    kth = x.topk(int(ks.max())).values.gather(1, (ks - 1).unsqueeze(1))
+    kth = x.topk(max(ks)).values.gather(1, _on([k - 1 for k in ks], x).unsqueeze(1))
     x.masked_fill_(x < kth, NEG_INF)
     _put(logits, index, x)
 
@@ -274,6 +305,8 @@ def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> None:
 
     Tokens below ``(1 - p) / V`` hold less than ``1 - p`` together, so each nucleus lies among
     the row's other tokens and only those are sorted (a few hundred for a peaked distribution).
+    On CUDA the whole row is sorted instead: the candidate count is only known on the device,
+    and reading it back would stall the step.
     """
     index = [i for i, p in enumerate(top_p) if p < 1.0]
     if not index:
@@ -282,7 +315,10 @@ def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> None:
     probs = x.softmax(-1)
     p = _column([top_p[i] for i in index], probs)
     candidates = (probs >= (1.0 - p) / probs.shape[1]).sum(-1, keepdim=True)
-    ordered = probs.topk(int(candidates.max())).values
+    if probs.is_cuda:
+        ordered = probs.sort(-1, descending=True).values
+    else:
+        ordered = probs.topk(int(candidates.max())).values
     last = (ordered.cumsum(-1) < p).sum(-1, keepdim=True).clamp(max=candidates - 1)
     x.masked_fill_(probs < ordered.gather(1, last), NEG_INF)
     _put(logits, index, x)
@@ -318,26 +354,50 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 # -- logprobs ---------------------------------------------------------------------------------
 
 
+@dataclass
+class _DeviceLogprobs:
+    """Logprobs of the rows ``index`` that asked for them, still on the device."""
+
+    index: list[int]
+    ks: list[int]  # alternatives each row asked for
+    chosen: torch.Tensor  # [len(index)] the sampled token's logprob
+    picked: torch.Tensor  # [len(index)] the sampled token
+    top_values: torch.Tensor | None  # [len(index), max(ks)]
+    top_ids: torch.Tensor | None
+
+    def to_host(self, num_rows: int) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * num_rows
+        chosen, picked = self.chosen.tolist(), self.picked.tolist()
+        empty = [[]] * len(self.index)
+        top_values = empty if self.top_values is None else self.top_values.tolist()
+        top_ids = empty if self.top_ids is None else self.top_ids.tolist()
+        for j, (i, k) in enumerate(zip(self.index, self.ks)):
+            out[i] = TokenLogprob(picked[j], chosen[j], top_ids[j][:k], top_values[j][:k])
+        return out
+
+
+def token_logprobs_on_device(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
+) -> _DeviceLogprobs | None:
+    """Raw-model logprobs of the sampled tokens and of the top alternatives, for the rows
+    that asked; None when none did."""
+    index = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not index:
+        return None
+    logprobs = _take(logits, index).log_softmax(-1)
+    picked = tokens[_on(index, tokens)] if len(index) < len(rows) else tokens
+    chosen = logprobs.gather(1, picked.unsqueeze(1)).squeeze(1)
+    ks = [rows[i].params.logprobs for i in index]
+    top = logprobs.topk(max(ks)) if max(ks) else None
+    return _DeviceLogprobs(index, ks, chosen, picked, top and top.values, top and top.indices)
+
+
 def token_logprobs(
     logits: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
 ) -> list[TokenLogprob | None]:
     """Raw-model logprobs of the sampled tokens and of the top alternatives, per row."""
-    out: list[TokenLogprob | None] = [None] * len(rows)
-    index = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    if not index:
-        return out
-    logprobs = _take(logits, index).log_softmax(-1)
-    picked = tokens[index] if len(index) < len(rows) else tokens
-    chosen = logprobs.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
-    picked_ids = picked.tolist()
-    k = max(rows[i].params.logprobs for i in index)
-    top = logprobs.topk(k) if k else None
-    top_values = top.values.tolist() if top else [[]] * len(index)
-    top_ids = top.indices.tolist() if top else [[]] * len(index)
-    for j, i in enumerate(index):
-        k_i = rows[i].params.logprobs
-        out[i] = TokenLogprob(picked_ids[j], chosen[j], top_ids[j][:k_i], top_values[j][:k_i])
-    return out
+    lp = token_logprobs_on_device(logits, rows, tokens)
+    return [None] * len(rows) if lp is None else lp.to_host(len(rows))
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -345,7 +405,7 @@ def token_logprobs(
 
 def _take(x: torch.Tensor, index: list[int]) -> torch.Tensor:
     """Rows ``index`` of ``x``: ``x`` itself when that is every row, else a copy."""
-    return x if len(index) == x.shape[0] else x[torch.tensor(index, device=x.device)]
+    return x if len(index) == x.shape[0] else x[_on(index, x)]
 
 
 def _put(x: torch.Tensor, index: list[int], rows: torch.Tensor) -> None:
@@ -355,17 +415,26 @@ def _put(x: torch.Tensor, index: list[int], rows: torch.Tensor) -> None:
     if len(index) == x.shape[0]:
         x.copy_(rows)
     else:
-        x[torch.tensor(index, device=x.device)] = rows
+        x[_on(index, x)] = rows
+
+
+def _on(
+    values: Sequence[float] | torch.Tensor, like: torch.Tensor, dtype: torch.dtype = torch.long
+) -> torch.Tensor:
+    """Host values as a tensor on ``like``'s device, without waiting for the device: a CUDA
+    copy goes from pinned memory, asynchronously (a plain host-to-device copy synchronises)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if like.device.type != "cuda":
+        return host.to(like.device)
+    return host.pin_memory().to(like.device, non_blocking=True)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return _on(values, like, like.dtype).unsqueeze(1)
 
 
 def _index(
     row_ids: Sequence[int], token_ids: Sequence[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        torch.tensor(row_ids, dtype=torch.long, device=device),
-        torch.tensor(token_ids, dtype=torch.long, device=device),
-    )
+    like = torch.empty(0, device=device)
+    return _on(row_ids, like), _on(token_ids, like)
