@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
+from kernels._tl import ATTENTION_DTYPES, KernelCache, check_rows_contiguous, check_tensor, tl_dtype
 
 LOG2E = 1.4426950408889634
 NUM_SMS_H200 = 132
@@ -63,10 +63,13 @@ def default_config(
     scale: float,
     batch: int = 1,
 ) -> DecodeConfig:
-    """64-token tiles when few CTAs run (more tiles to split), 128 once the batch fills SMs."""
+    """64-token tiles when few CTAs run (more tiles to split), 128 once the batch fills SMs;
+    one block per tile when blocks are smaller than 64 tokens: a tile gathered from several
+    small blocks loads page by page without the copy pipeline, 3.2x slower at batch 64 with
+    16-token blocks (bench/results/gpu_engine_h200.json, ``decode_block_sweep``)."""
     block_n = 128 if batch * num_kv_heads >= 64 else 64
-    if block_size < block_n and block_n % block_size:
-        block_n = block_size
+    if block_size < 64:
+        block_n = max(block_size, 16)
     return DecodeConfig(
         num_heads, num_kv_heads, head_dim, block_size, tl_dtype(dtype), scale, block_n=block_n
     )
@@ -119,6 +122,7 @@ def _decode_program(
     num_blocks = T.dynamic("num_blocks")
     max_blocks = T.dynamic("max_blocks")
     num_split = T.dynamic("num_split")
+    q_stride = T.dynamic("q_stride")
 
     @T.macro
     def load_tile(kv, block_table, b, tok0, col0, dst):
@@ -174,7 +178,7 @@ def _decode_program(
 
     @T.prim_func
     def main(
-        Q: T.Tensor([batch, heads, dim], dtype),
+        Q: T.StridedTensor([batch, heads, dim], [q_stride, dim, 1], dtype),
         KV: T.Tensor([num_blocks, block_size, width], dtype),
         block_table: T.Tensor([batch, max_blocks], "int32"),
         seq_lens: T.Tensor([batch], "int32"),
@@ -281,11 +285,15 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attend ``q [B, Hq, D]`` over the paged cache; returns ``[B, Hq, D]`` in q's dtype.
 
+    ``q``'s first dim may stride (a slice of a fused qkv projection); the others are packed.
+
     ``max_seq_len`` (a host int, no device sync) bounds the sequence lengths and only
     sizes the split count; without it the block table's width bounds them.
     """
     batch, heads, dim = q.shape
-    check_tensor("q", q, dtype=ATTENTION_DTYPES, ndim=3)
+    check_rows_contiguous("q", q, 3)
+    if q.dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"q: dtype {q.dtype}, expected one of {ATTENTION_DTYPES}")
     check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
     check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
@@ -302,7 +310,7 @@ def paged_decode_attention(
     kernel = _KERNELS.get(cfg, lambda: build_decode_kernel(cfg))
     lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out_part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kernel(q, kv_cache, block_tables, seq_lens, lse_part, out_part, out)
     return out
 

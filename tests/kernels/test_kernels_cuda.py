@@ -54,6 +54,23 @@ def test_paged_decode_attention(heads, kv_heads, dim, block_size, num_splits):
     assert rel_error(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(32, 8, 128, 128), (9, 3, 64, 16)])
+def test_paged_decode_attention_reads_q_from_a_fused_qkv_slice(heads, kv_heads, dim, block_size):
+    from kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    lens = [1, 300, 1000, 77]
+    p = make_problem(
+        lens, [1] * len(lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        block_size=block_size, device="cuda",
+    )  # fmt: skip
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, device="cuda", dtype=p.q.dtype)
+    q = qkv[:, : heads * dim].view(len(lens), heads, dim)  # row stride (Hq + 2 Hkv) * D
+    args = (p.kv_cache, p.block_tables, p.seq_lens)
+    kw = dict(num_kv_heads=kv_heads, scale=p.scale)
+    out = paged_decode_attention(q, *args, **kw, max_seq_len=max(lens))
+    assert rel_error(out, paged_decode_attention_ref(q.contiguous(), *args, **kw)) <= TOL
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", ATTENTION_SHAPES)
 def test_prefill_attention(heads, kv_heads, dim, block_size):
     from kernels.prefill_attention import prefill_attention, prefill_attention_ref
@@ -107,6 +124,17 @@ def test_fused_add_rms_norm(hidden, num_tokens):
     assert rel_error(plain, plain_ref) <= TOL
     assert rel_error(r_out, ref_sum) <= TOL
     assert rel_error(x_out, ref_out) <= TOL
+
+
+@pytest.mark.parametrize("inter", [14336, 1536, 100])  # 100: a partial last CTA
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_silu_and_mul(inter, num_tokens):
+    from kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    x = torch.randn(num_tokens, 2 * inter, device="cuda", dtype=torch.bfloat16) * 3
+    out = silu_and_mul(x)
+    assert out.shape == (num_tokens, inter) and not out.isnan().any()
+    assert rel_error(out, silu_and_mul_ref(x)) <= TOL
 
 
 def _cos_sin(max_pos: int, dim: int) -> torch.Tensor:

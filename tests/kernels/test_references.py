@@ -17,6 +17,7 @@ from kernel_cases import dense_attention, make_problem, rel_error
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kernels.activation import silu_and_mul_ref
 from kernels.norm_rope_cache import (
     rms_norm_ref,
     rotary_embedding_ref,
@@ -193,6 +194,13 @@ def test_kv_cache_write_reference_places_each_token():
         assert torch.equal(row[: kv_heads * dim], k[t].flatten())
         assert torch.equal(row[kv_heads * dim :], v[t].flatten())
     assert int((cache.abs().sum(-1) != 0).sum()) == 4
+
+
+def test_silu_and_mul_reference_is_the_swiglu_gate():
+    x = torch.randn(5, 2 * 24, dtype=torch.float64)
+    gate, up = x[:, :24], x[:, 24:]
+    expected = gate * torch.sigmoid(gate) * up
+    assert torch.allclose(silu_and_mul_ref(x), expected.float(), atol=1e-6)
 
 
 def test_make_problem_never_uses_the_null_block():
