@@ -40,9 +40,9 @@ class TileLangBackend(AttentionBackend):
         cache = self.cache.layers[layer]
         slots = meta.slot_mapping.contiguous()
         write_kv_cache(k.to(cache.dtype), v.to(cache.dtype), cache, slots)
-        query = q.to(cache.dtype).contiguous()
+        query = q.to(cache.dtype)
         tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-        if meta.is_pure_decode:
+        if meta.is_pure_decode:  # takes q as a strided slice of the qkv projection
             out = paged_decode_attention(
                 query,
                 cache,
@@ -54,7 +54,7 @@ class TileLangBackend(AttentionBackend):
             )
         else:
             out = prefill_attention(
-                query,
+                query.contiguous(),
                 cache,
                 tables,
                 seq_lens,

@@ -6,6 +6,12 @@ Switches come from ``ModelConfig``: ``attention_bias`` (Qwen2's q/k/v bias), ``q
 ``load_weights`` fuses Hugging Face's separate tensors into them. RoPE is the
 rotate-half (NeoX / Hugging Face) form with a precomputed cos/sin table. Attention goes
 through ``ctx.attention``; the model never sees the KV cache.
+
+The residual stream is carried beside the hidden states (``residual + x`` is added inside
+the next norm), so on CUDA, with TileLang present, the add and the RMSNorm run as one
+kernel and RoPE rotates q and k in place in one kernel (``kernels.norm_rope_cache``): at
+decode, where a step is a few hundred small launches around the weight reads, that halves
+the launches. Elsewhere the same arithmetic runs as torch ops.
 """
 
 from __future__ import annotations
@@ -21,6 +27,15 @@ from engine.attention.base import ForwardContext
 from engine.config import ModelConfig, RopeScaling
 from engine.kv_cache.layout import KVCacheLayout
 from engine.models.base import CausalLM
+from kernels._tl import ATTENTION_DTYPES, tilelang_available
+
+
+def fused_kernels_for(x: torch.Tensor) -> bool:
+    """True when the TileLang norm/RoPE kernels can take ``x`` (CUDA, bf16/fp16)."""
+    return x.is_cuda and x.dtype in ATTENTION_DTYPES and _TILELANG_PRESENT
+
+
+_TILELANG_PRESENT = tilelang_available()
 
 
 class Linear(nn.Linear):
@@ -38,14 +53,34 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    """Hugging Face's LlamaRMSNorm: normalise in float32, cast back, then scale.
+
+    With ``residual``: first ``residual = x + residual`` (in x's dtype), then normalise that;
+    returns ``(normed, residual)``. The CUDA kernel does this in place on both inputs and
+    rounds once after the scale (Hugging Face rounds before it too): bf16 rounding apart,
+    the same function.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() == 2 and fused_kernels_for(x) and x.is_contiguous():
+            from kernels.norm_rope_cache import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -101,7 +136,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T]."""
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T] (on CUDA in place)."""
+        if fused_kernels_for(q) and positions.dtype == torch.int64:
+            from kernels.norm_rope_cache import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -153,7 +192,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_kernels_for(gate_up) and gate_up.is_contiguous():
+            from kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -166,10 +210,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + hidden`` is the stream entering the layer (``residual`` None: the
+        embeddings, in ``hidden``); returns the same pair for the next layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -187,10 +242,12 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, positions, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, ctx)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 # HF name suffix → (fused parameter suffix, shard index)
