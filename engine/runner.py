@@ -3,6 +3,12 @@
 The runner keeps, per request, only what sampling needs (params, generator, tokens
 so far, the grammar matcher of a structured request); everything about *which* tokens
 run and where their KV goes comes in the plan.
+
+Decode-only steps replay a CUDA graph when ``capture_decode_graphs`` has run
+(``engine.cuda_graphs``); other steps run eagerly. Either way the step's forward and its
+sampling only queue device work: inputs go over from pinned memory without waiting, and
+the copy of the sampled tokens back to the host at the end of ``execute`` is the step's
+one synchronisation.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.models.base import CausalLM
 from engine.plan import NewRequest, StepPlan, StepResult
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import SampledTokens, Sampler, SamplingRow
 from engine.structured import GrammarState, build_mask
 
 log = logging.getLogger("ferry.runner")
@@ -58,25 +65,66 @@ class ModelRunner:
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.states: dict[str, _RowState] = {}
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(
+        self,
+        max_batch: int,
+        max_seq_len: int,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        capture: bool = True,
+    ) -> DecodeGraphs:
+        """From now on, decode-only steps of up to ``max_batch`` sequences whose contexts
+        fit ``max_seq_len`` replay CUDA graphs (``capture=False``: the same padded buffers,
+        run eagerly; the CPU's way to exercise them)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.block_size, max_batch, max_seq_len, buckets, capture
+        )
+        return self.graphs
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._sync_states(plan)
         if plan.is_empty:
             return StepResult({})
-        inputs = self.prepare(plan)
+        sampled = self.sample(plan)
+        if sampled is None:
+            return StepResult({})
+        sample_ids, tokens = sampled
+        out = tokens.to_host()  # the step's one device-to-host copy: waits for the step
+        ended = self._advance(sample_ids, out.token_ids)
+        logprobs = {rid: lp for rid, lp in zip(sample_ids, out.logprobs) if lp is not None}
+        return StepResult(dict(zip(sample_ids, out.token_ids)), logprobs, ended)
+
+    def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
+        """Run the plan's forward and sampling; returns the sampled requests and their
+        tokens still on the device (None when no chunk samples). Only queues device work."""
         with torch.inference_mode():
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
-            )
-            if not inputs.sample_ids:
-                return StepResult({})
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
-            states = [self.states[rid] for rid in inputs.sample_ids]
+            logits, sample_ids = self._logits(plan)
+            if not sample_ids:
+                return None
+            states = [self.states[rid] for rid in sample_ids]
             mask = build_mask([s.grammar for s in states], self.sampler.vocab_size)
-            out = self.sampler(logits, [s.row() for s in states], mask)
-        ended = self._advance(inputs.sample_ids, out.token_ids)
-        logprobs = {rid: lp for rid, lp in zip(inputs.sample_ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(inputs.sample_ids, out.token_ids)), logprobs, ended)
+            return sample_ids, self.sampler.sample(logits, [s.row() for s in states], mask)
+
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
+        """Logits of the rows to sample and their request ids."""
+        chunks = plan.chunks
+        sample_ids = [c.request_id for c in chunks if c.sample]
+        if self.graphs is not None and self.graphs.accepts(chunks):
+            if not sample_ids:
+                return torch.empty(0), []
+            logits = self.graphs.run(chunks)
+            if len(sample_ids) == len(chunks):
+                return logits[: len(chunks)], sample_ids
+            rows = [i for i, c in enumerate(chunks) if c.sample]
+            return logits[_to_device(np.array(rows, dtype=np.int64), self.device)], sample_ids
+        inputs = self.prepare(plan)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
+        )
+        if not inputs.sample_ids:
+            return torch.empty(0), []
+        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_ids
 
     def _advance(self, request_ids: list[str], tokens: list[int]) -> frozenset[str]:
         """Record each sampled token; returns the requests whose grammar it completed."""
@@ -121,20 +169,28 @@ class ModelRunner:
         sampled = [i for i, c in enumerate(chunks) if c.sample]
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=_to_device(cu, dev),
+            seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), dev),
+            block_tables=_to_device(tables, dev),
+            slot_mapping=_to_device(slots, dev),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
         return StepInputs(
-            input_ids=input_ids.to(dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=_to_device(input_ids, dev),
+            positions=_to_device(positions.astype(np.int64), dev),
             meta=meta,
-            sample_rows=torch.from_numpy(cu[1:][sampled].astype(np.int64) - 1).to(dev),
+            sample_rows=_to_device(cu[1:][sampled].astype(np.int64) - 1, dev),
             sample_ids=[chunks[i].request_id for i in sampled],
         )
+
+
+def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``; to CUDA from pinned memory, without waiting."""
+    tensor = torch.from_numpy(host)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

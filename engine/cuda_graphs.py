@@ -1,0 +1,194 @@
+"""Decode steps replayed from CUDA graphs captured at bucketed batch sizes.
+
+A decode step of an 8B model is a few hundred kernel launches around ~15 GB of weight
+reads; run eagerly, the CPU cannot issue them as fast as the GPU retires them, so a
+batch-1 step takes several times its HBM floor. Here each bucket size ``b`` (1, 2, 4,
+... up to ``max_batch``) gets one graph holding the whole model forward and the logits,
+captured once over static input buffers; a decode step of ``n <= b`` sequences fills the
+first ``n`` rows of the smallest bucket that fits and replays its graph.
+
+Padding rows are real rows of the batch that nobody reads: token 0 at position 0, one
+token of context, a block table of zeros, and their KV goes to slot 0 of block 0 (the null
+block, never handed out), so they never touch a real block. Steps with more than one
+token for some sequence (prefill, chunked prefill, mixed batches), with more sequences
+than the largest bucket or with a longer context than the buffers were sized for run
+eagerly.
+
+``capture=False`` runs the same buffers and padding without a graph: the padded forward
+then also runs where CUDA graphs do not exist (the CPU), which is how the padding is
+tested there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.models.base import CausalLM
+from engine.plan import ScheduledChunk
+
+log = logging.getLogger("ferry.cuda_graphs")
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+NULL_SLOT = 0  # slot 0 of block 0, the null block: where padding rows write their KV
+
+
+def batch_buckets(max_batch: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The bucket sizes up to ``max_batch``; ``max_batch`` itself is the last one."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    return tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
+
+
+@dataclass
+class _Bucket:
+    size: int
+    int64: torch.Tensor  # [3, size]: input ids, positions, slots
+    int32: torch.Tensor  # [size * (1 + max_blocks)]: seq_lens, then the block table
+    meta: AttentionMetadata
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [size, V] float32, the graph's output
+
+
+class DecodeGraphs:
+    """Static buffers and captured graphs for decode steps of up to ``max_batch`` sequences
+    whose contexts fit ``max_seq_len`` tokens."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        block_size: int,
+        max_batch: int,
+        max_seq_len: int,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.max_blocks = math.ceil(max_seq_len / block_size)
+        self.device = next(model.parameters()).device
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
+        self.sizes = batch_buckets(max_batch, buckets)
+        self._buckets = {b: self._allocate(b) for b in self.sizes}
+        self.captured = False
+        if capture:
+            self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def accepts(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """True when this step can replay a graph: one token per sequence, and the batch
+        and every context fit the buffers."""
+        return (
+            0 < len(chunks) <= self.max_batch
+            and all(c.num_tokens == 1 for c in chunks)
+            and max(c.end_pos for c in chunks) <= self.max_seq_len
+            and max(len(c.block_ids) for c in chunks) <= self.max_blocks
+        )
+
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.sizes if b >= batch)
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Logits ``[bucket, V]`` of the step (row i is ``chunks[i]``; rows past
+        ``len(chunks)`` are padding). The tensor is the graph's: read it before the next
+        step. Queues work only: never waits for the device."""
+        bucket = self._buckets[self.bucket_for(len(chunks))]
+        self._fill(bucket, chunks)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            return bucket.logits
+        return self._forward(bucket)
+
+    # -- buffers --------------------------------------------------------------------------
+
+    def _allocate(self, size: int) -> _Bucket:
+        int64 = torch.zeros(3, size, dtype=torch.long, device=self.device)
+        int32 = torch.zeros(size * (1 + self.max_blocks), dtype=torch.int32, device=self.device)
+        query_start = torch.arange(size + 1, dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(
+            query_start_loc=query_start,
+            seq_lens=int32[:size],
+            block_tables=int32[size:].view(size, self.max_blocks),
+            slot_mapping=int64[2],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_seq_len] * size,
+        )
+        return _Bucket(size, int64, int32, meta)
+
+    def _fill(self, bucket: _Bucket, chunks: Sequence[ScheduledChunk]) -> None:
+        """Write the step's rows into the bucket's buffers, padding the rest."""
+        size, n = bucket.size, len(chunks)
+        host64 = np.zeros((3, size), dtype=np.int64)  # padding: token 0, position 0, slot 0
+        host32 = np.zeros(size * (1 + self.max_blocks), dtype=np.int32)
+        seq_lens = host32[:size]
+        tables = host32[size:].reshape(size, self.max_blocks)
+        seq_lens[:] = 1  # a padding row attends to the one token it wrote into the null block
+        host64[0, :n] = [c.token_ids[0] for c in chunks]
+        positions = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
+        host64[1, :n] = positions
+        seq_lens[:n] = positions + 1
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.block_ids)] = c.block_ids
+        bs = self.block_size
+        host64[2, :n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        host64[2, n:] = NULL_SLOT
+        _copy_in(bucket.int64, host64)
+        _copy_in(bucket.int32, host32)
+
+    # -- the forward and its capture ------------------------------------------------------
+
+    def _forward(self, bucket: _Bucket) -> torch.Tensor:
+        ids, positions = bucket.int64[0], bucket.int64[1]
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, ForwardContext(bucket.meta, self.backend))
+            return self.model.compute_logits(hidden)
+
+    def _capture(self) -> None:
+        """Capture every bucket, largest first, all in one memory pool."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            bucket = self._buckets[size]
+            self._fill(bucket, [])  # all padding: writes only the null block
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up: compile kernels, make cuBLAS handles
+                for _ in range(2):
+                    self._forward(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                bucket.logits = self._forward(bucket)
+            bucket.graph = graph
+        torch.cuda.synchronize()
+        self.captured = True
+        log.info(
+            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            ",".join(map(str, self.sizes)),
+            time.perf_counter() - start,
+        )
+
+
+def _copy_in(dst: torch.Tensor, host: np.ndarray) -> None:
+    """Host array → device buffer; on CUDA from pinned memory, without waiting."""
+    src = torch.from_numpy(host)
+    if dst.is_cuda:
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)

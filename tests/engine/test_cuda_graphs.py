@@ -1,0 +1,165 @@
+"""Decode steps through the bucketed graph buffers (``engine.cuda_graphs``).
+
+On the CPU the padded buffers run eagerly (``capture=False``): the padding rows, the
+bucket choice and which steps are accepted are the same code as on CUDA. The CUDA tests
+capture real graphs and replay them; they are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import backend_for
+from engine.cuda_graphs import batch_buckets
+from engine.kv_cache.layout import KVCache
+from engine.loader import load_model
+from engine.plan import NewRequest, ScheduledChunk, StepPlan
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_runner(
+    device: str = "cpu", dtype: torch.dtype = torch.float32, blocks: int = 64, preset: str = ""
+):
+    """A runner over a dummy model: ``tiny`` on the CPU, SmolLM2-135M's shape on CUDA (a
+    shape the kernel tests sweep)."""
+    preset = preset or ("tiny" if device == "cpu" else "smollm2-135m")
+    loaded = load_model(f"dummy:{preset}", device=device, dtype=dtype, progress=False)
+    model, cfg = loaded.model, loaded.config
+    cache = KVCache(model.kv_layout(BLOCK, dtype), blocks, device)
+    backend = backend_for(device)(
+        cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.attention_scale
+    )
+    return ModelRunner(model, backend, Sampler(cfg.vocab_size, device), BLOCK), cache
+
+
+def generate(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy continuation of every prompt together: one prefill step, then decode steps;
+    each sequence owns consecutive blocks from 1 on (block 0 stays the null block)."""
+    per_seq = -(-(max(map(len, prompts)) + steps) // BLOCK)
+    ids = [f"q{i}" for i in range(len(prompts))]
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
+    new = [NewRequest(rid, p, GREEDY, ()) for rid, p in zip(ids, prompts)]
+    chunks = [ScheduledChunk(rid, p, 0, t, True) for rid, p, t in zip(ids, prompts, tables)]
+    out = [[] for _ in prompts]
+    plan = StepPlan(chunks=chunks, new_requests=new)
+    for _ in range(steps):
+        result = runner.execute(plan)
+        for i, rid in enumerate(ids):
+            out[i].append(result.sampled[rid])
+        plan = StepPlan(
+            chunks=[
+                ScheduledChunk(
+                    rid, [out[i][-1]], len(prompts[i]) + len(out[i]) - 1, tables[i], True
+                )
+                for i, rid in enumerate(ids)
+            ]
+        )
+    runner.execute(StepPlan(finished_ids=ids))
+    return out
+
+
+def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_buckets_end_at_the_largest_batch():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+
+
+def test_padded_decode_matches_eager_decode_on_cpu():
+    eager, _ = make_runner()
+    padded, _ = make_runner()
+    graphs = padded.capture_decode_graphs(max_batch=8, max_seq_len=256, capture=False)
+    batch = prompts(eager.sampler.vocab_size, [5, 17, 33])  # 3 rows: bucket 4, one padding row
+    assert graphs.bucket_for(len(batch)) == 4
+    assert generate(padded, batch, 12) == generate(eager, batch, 12)
+
+
+def test_padding_rows_write_only_the_null_block():
+    runner, cache = make_runner()
+    runner.capture_decode_graphs(max_batch=8, max_seq_len=256, capture=False)
+    before = cache.storage.clone()
+    batch = prompts(runner.sampler.vocab_size, [20, 9, 3])
+    generate(runner, batch, 4)
+    changed = (cache.storage != before).any(-1).any(0)  # [num_blocks, block_size]
+    # sequence i owns blocks 1+2i, 2+2i (24 tokens at most each); the rest must be untouched
+    used = torch.zeros_like(changed)
+    used[0, 0] = True  # the padding rows' slot
+    for i, n in enumerate([20, 9, 3]):
+        for pos in range(n + 3):
+            used[1 + 2 * i + pos // BLOCK, pos % BLOCK] = True
+    assert not (changed & ~used).any()
+    assert changed[0].nonzero().flatten().tolist() == [0]  # padding wrote slot 0 of block 0
+
+
+def test_steps_that_do_not_fit_run_eagerly():
+    runner, _ = make_runner()
+    graphs = runner.capture_decode_graphs(max_batch=4, max_seq_len=64, capture=False)
+
+    def chunk(n_tokens: int, start: int = 10, blocks: int = 2) -> ScheduledChunk:
+        return ScheduledChunk("r", [1] * n_tokens, start, list(range(1, 1 + blocks)), True)
+
+    assert graphs.accepts([chunk(1)] * 4)
+    assert not graphs.accepts([chunk(1)] * 5)  # larger than the largest bucket
+    assert not graphs.accepts([chunk(1), chunk(2)])  # a prefill chunk: mixed step
+    assert not graphs.accepts([chunk(1, start=64, blocks=5)])  # context past max_seq_len
+    assert not graphs.accepts([])
+
+
+def lockstep_logits_error(eager: ModelRunner, graphed: ModelRunner, lengths, steps: int):
+    """Decode the same tokens through both runners; the largest relative logits error."""
+    batch = prompts(eager.sampler.vocab_size, lengths)
+    per_seq = -(-(max(lengths) + steps) // BLOCK)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(batch))]
+    ids = [f"q{i}" for i in range(len(batch))]
+    plan = StepPlan(
+        chunks=[ScheduledChunk(r, p, 0, t, True) for r, p, t in zip(ids, batch, tables)],
+        new_requests=[NewRequest(r, p, GREEDY, ()) for r, p in zip(ids, batch)],
+    )
+    worst = 0.0
+    for step in range(steps):
+        for runner in (eager, graphed):
+            runner._sync_states(plan)
+        with torch.inference_mode():
+            expected, _ = eager._logits(plan)
+            got, _ = graphed._logits(plan)
+            err = ((got.float() - expected).norm() / expected.norm()).item()
+        worst = max(worst, err)
+        tokens = expected.argmax(-1).tolist()
+        plan = StepPlan(
+            chunks=[
+                ScheduledChunk(r, [tokens[i]], len(batch[i]) + step, tables[i], True)
+                for i, r in enumerate(ids)
+            ]
+        )
+    return worst
+
+
+@needs_cuda
+@pytest.mark.parametrize("lengths", [[7], [5, 130, 33], [40] * 9, [200] * 16])
+def test_cuda_graph_decode_logits_match_eager(lengths):
+    eager, _ = make_runner("cuda", torch.bfloat16, blocks=512)
+    graphed, _ = make_runner("cuda", torch.bfloat16, blocks=512)
+    graphs = graphed.capture_decode_graphs(max_batch=16, max_seq_len=1024)
+    assert graphs.captured
+    assert lockstep_logits_error(eager, graphed, lengths, steps=8) < 1e-2
+
+
+@needs_cuda
+def test_cuda_graph_greedy_generation_matches_eager():
+    eager, _ = make_runner("cuda", torch.bfloat16, blocks=512)
+    graphed, _ = make_runner("cuda", torch.bfloat16, blocks=512)
+    graphed.capture_decode_graphs(max_batch=8, max_seq_len=1024)
+    batch = prompts(eager.sampler.vocab_size, [12, 50, 7])
+    assert generate(graphed, batch, 24) == generate(eager, batch, 24)
