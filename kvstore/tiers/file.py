@@ -289,8 +289,9 @@ class FileTier:
         self._events.add("removed", block_hash, self.name)
 
     def scan(self) -> None:
-        """Learn the files in the directory (other workers' too), drop stale temporary
-        files, then apply the TTL and the capacity bound."""
+        """Learn the files in the directory (other workers' too, and those left by an
+        earlier run: each is announced as stored), drop stale temporary files, then
+        apply the TTL and the capacity bound."""
         found: dict[BlockHash, float] = {}
         now = time.time()
         started = self.clock()
@@ -306,10 +307,15 @@ class FileTier:
                 except (ValueError, OSError):
                     continue
         with self._lock:
-            for h, used in self._index.items():
+            before = self._index
+            for h, used in before.items():
                 if h in found or used >= started:  # gone from disk unless used since
                     found[h] = max(used, found.get(h, used))
             self._index = OrderedDict(sorted(found.items(), key=lambda kv: kv[1]))
+        for h in found.keys() - before.keys():  # so an index learns of older files too
+            self._events.add("stored", h, self.name)
+        for h in before.keys() - found.keys():
+            self._events.add("removed", h, self.name)
         self.sweep()
 
     def _reap_tmp(self, entry: os.DirEntry, now: float) -> None:

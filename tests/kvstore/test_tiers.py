@@ -188,14 +188,20 @@ def test_ttl_expires_unused_files_on_sweep_and_on_load(tmp_path, tiers):
 
 def test_a_block_another_writer_stored_is_loaded_and_scanned(tmp_path, tiers):
     clock = Clock()
-    a, b = file_tier(tmp_path, clock=clock), file_tier(tmp_path, capacity_blocks=2, clock=clock)
+    events = TierEvents()
+    a = file_tier(tmp_path, clock=clock)
+    b = file_tier(tmp_path, capacity_blocks=2, clock=clock, events=events)
     tiers += [a, b]
     for i in range(3):
         a.put(h(i), blk(i))
     a.flush()
     assert torch.equal(b.load(h(1)), blk(1))  # found by name before any scan lists it
     assert not b.put(h(1), blk(1))  # known now
+    events.drain()
     b.scan()  # learns all three; over b's capacity of two: the least recently used goes
+    got = [(e.kind, e.block_hash) for e in events.drain()]
+    assert sorted(got[:2]) == sorted([("stored", h(0)), ("stored", h(2))])  # announced
+    assert got[2][0] == "removed"
     assert len(list(tmp_path.rglob("*.kv"))) == 2
     assert b.path(h(1)).exists()  # the one b loaded (renewed) stays
     a.path(h(1)).unlink()  # removed by another worker: a's next scan forgets it
