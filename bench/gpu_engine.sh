@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU engine's checks and benchmark in one command on the H200 (bench/README.md, GPU).
+#
+#   bench/gpu_engine.sh [tests] [bench] [serve] [quick]
+#
+# Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
+# previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
+# runs what is asked: the CUDA tests of the engine, the full benchmark with transformers
+# (JSON to $OUT/gpu_engine.json), ferry serve --device cuda end to end, or a quick
+# benchmark of two decode points.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+tar -xJf .gpu/site.tar.xz -C /tmp
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export TILELANG_CACHE_DIR=/tmp/tlcache
+mkdir -p "$TILELANG_CACHE_DIR"
+[ -f .tlcache/tlcache.tar.xz ] && tar -xJf .tlcache/tlcache.tar.xz -C "$TILELANG_CACHE_DIR"
+COMMIT=$(cat .tlcache/commit 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
+status=0
+for step in "$@"; do
+  start=$(date +%s)
+  case $step in
+    tests)
+      python3 -m pytest -q -n 16 --noconftest -p no:cacheprovider tests/kernels -k "${KERNELS_K:-}" \
+        2>&1 | tee "$OUT/kernel_tests.log" | tail -8 || status=1
+      python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py \
+        tests/engine/test_cuda_sync_free.py tests/engine/test_cuda_model.py \
+        2>&1 | tee "$OUT/tests.log" | tail -25 || status=1 ;;
+    quick)
+      python3 -m bench.gpu_engine --points 1x1024,64x1024 --eager-points 1x1024 \
+        --prefill 2048 --repeats 10 --commit "$COMMIT" --out "$OUT/quick.json" \
+        2>&1 | tee "$OUT/quick.log" | grep -v Warning | tail -20 || status=1 ;;
+    bench)
+      python3 -m bench.gpu_engine --hf --commit "$COMMIT" --out "$OUT/gpu_engine.json" \
+        2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 || status=1 ;;
+    serve)
+      python3 -m pytest -q -x -p no:cacheprovider tests/server/test_serve_cuda.py \
+        2>&1 | tee "$OUT/serve.log" | tail -15 || status=1 ;;
+  esac
+  echo "== $step: $(( $(date +%s) - start )) s"
+done
+tar -cJf "$OUT/tlcache.tar.xz" -C "$TILELANG_CACHE_DIR" . && ls -la "$OUT/tlcache.tar.xz"
+exit $status
