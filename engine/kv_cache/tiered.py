@@ -98,12 +98,14 @@ class KVTiers:
         block may be reused before the writer gets to it)."""
         if self.file is None:
             return
-        for block_id, block_hash in blocks:
-            if self.file.known(block_hash):
-                continue
-            copy = torch.empty(self.file.meta.block_shape, dtype=self.file.meta.dtype)
-            copy.copy_(self._block(block_id))
-            self.file.put(block_hash, copy)
+        new = [(i, h) for i, h in blocks if not self.file.known(h)]
+        if not new:
+            return
+        storage = self.cache.storage
+        ids = torch.tensor([i for i, _ in new], device=storage.device)
+        copies = storage.index_select(1, ids).cpu()  # one gather (one transfer on a GPU)
+        for n, (_, block_hash) in enumerate(new):
+            self.file.put(block_hash, copies[:, n])
 
     # -- up ---------------------------------------------------------------------------------
 
