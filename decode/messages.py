@@ -30,6 +30,7 @@ class DecodeRequest(msgspec.Struct, tag=True, frozen=True):
     arrival_time: float = 0.0
     cache_salt: str = ""
     remote_prefill: bool = True
+    output_token_ids: list[int] = []  # a resumed request's tokens so far (EngineRequest)
 
 
 class KVReady(msgspec.Struct, tag=True, frozen=True):
@@ -57,6 +58,7 @@ class DecodeReady(msgspec.Struct, tag=True, frozen=True):
     max_model_len: int
     model_name: str
     endpoint: KVEndpoint
+    hash_extra: bytes = b""  # what the worker's block hashes mix in (router's index)
 
 
 class KVWanted(msgspec.Struct, tag=True, frozen=True):

@@ -91,7 +91,7 @@ class DecodeWorker:
         if msg.remote_prefill:
             self.sched.expect_kv(rid, self.local_prefill_tokens)
         engine_msg = EngineRequest(rid, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
-                                   msg.cache_salt)  # fmt: skip
+                                   msg.cache_salt, msg.output_token_ids)  # fmt: skip
         err = self.core.add_request(engine_msg)
         if err is not None:
             self.sched.unexpect_kv(rid)
@@ -181,7 +181,7 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str, args) -> None
     cfg = core.config
     outbox.send(encode(DecodeReady(cfg.cache.num_blocks, cfg.cache.block_size,
                                    core.max_model_len, core.model_name,
-                                   worker.receiver.endpoint)))  # fmt: skip
+                                   worker.receiver.endpoint, core.hash_extra)))  # fmt: skip
     try:
         _loop(worker, inbox, outbox)
     finally:

@@ -90,7 +90,7 @@ class EngineCore:
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             sched = self.config.scheduler
             self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
-        self._hash_extra = extra_keys(mc.fingerprint)
+        self.hash_extra = extra_keys(mc.fingerprint)  # what the block hashes of this model mix in
         so = config.structured
         self.grammars = GrammarGate(
             GrammarCompiler(
@@ -136,7 +136,7 @@ class EngineCore:
             problem = "prompt holds token ids outside the vocabulary"
         if problem:
             return RequestOutput(msg.request_id, [], "error", error=problem)
-        extra = self._hash_extra + (extra_keys(msg.cache_salt) if msg.cache_salt else b"")
+        extra = self.hash_extra + (extra_keys(msg.cache_salt) if msg.cache_salt else b"")
         req = Request(
             msg.request_id,
             list(msg.prompt_token_ids),
@@ -144,6 +144,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             arrival_time=msg.arrival_time,
             hash_extra=extra,
+            output_token_ids=list(msg.output_token_ids),
         )
         if msg.sampling.grammar is None:
             self.scheduler.add(req)

@@ -18,6 +18,9 @@ class EngineRequest(msgspec.Struct, tag=True, frozen=True):
     sampling: SamplingParams
     arrival_time: float = 0.0
     cache_salt: str = ""
+    # tokens already generated for it elsewhere (a request resumed on another worker):
+    # computed with the prompt, they count as output (max_tokens, penalties, grammar)
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):

@@ -107,8 +107,8 @@ class PDScheduler(Scheduler):
     ) -> RequestOutput:
         """The KV of ``request_id``'s prompt has landed: run it from its first token."""
         req = self.incoming.pop(request_id)
-        req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.publish(req, req.num_prompt_tokens)
+        req.num_computed_tokens = req.num_tokens  # the prompt, and a resumed one's outputs
+        self.kv.publish(req, req.num_tokens)
         req.output_token_ids.append(first_token)
         reason = self._stop_reason(req, first_token)
         out = RequestOutput(
@@ -124,7 +124,7 @@ class PDScheduler(Scheduler):
         self._admitted.append(
             NewRequest(
                 request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids, req.grammar,
-                output_token_ids=(first_token,),
+                output_token_ids=tuple(req.output_token_ids),
             )
         )  # fmt: skip
         return out

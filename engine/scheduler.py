@@ -102,6 +102,7 @@ class Scheduler:
                         req.sampling,
                         req.eos_token_ids,
                         req.grammar,
+                        output_token_ids=tuple(req.output_token_ids),  # a resumed request's
                     )
                 )
         return new_requests

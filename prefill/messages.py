@@ -35,6 +35,7 @@ class PrefillRequest(msgspec.Struct, tag=True, frozen=True):
     dest: KVDestination
     arrival_time: float = 0.0
     cache_salt: str = ""
+    output_token_ids: list[int] = []  # a resumed request's tokens so far (EngineRequest)
 
 
 class AbortPrefill(msgspec.Struct, tag=True, frozen=True):
@@ -53,6 +54,7 @@ class PrefillReady(msgspec.Struct, tag=True, frozen=True):
     block_size: int
     max_model_len: int
     model_name: str
+    hash_extra: bytes = b""  # what the worker's block hashes mix in (router's index)
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
@@ -78,12 +80,14 @@ class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
     request_id: str
     error: str
     aborted: bool = False
+    retry: bool = False  # the request itself is fine: another prefill worker may do it
 
 
 class PrefillStats(msgspec.Struct, tag=True):
     stats: EngineStats
     num_transferring: int = 0
     events: list[KVEvent] = []
+    tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
 
 
 PrefillMessage = PrefillReady | WorkerFailed | PrefillDone | PrefillFailed | PrefillStats

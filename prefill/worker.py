@@ -61,6 +61,7 @@ class _Shipment:
     """One request's KV on its way to ``dest``."""
 
     dest: KVDestination
+    num_tokens: int  # whose KV goes: the prompt (with a resumed request's outputs)
     sent: int = 0  # leading destination blocks whose send has been started
     streamed: int = 0  # of those, started before the prompt was done
     jobs: list[tuple[Future[TransferStats], list[Block]]] = field(default_factory=list)
@@ -84,6 +85,7 @@ class PrefillWorker:
         self.timeout = transfer_timeout_s
         self.shipments: dict[str, _Shipment] = {}
         self.out: list[msgspec.Struct] = []
+        self.tokens_per_s = 0.0
         self._stepped = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
 
@@ -108,13 +110,14 @@ class PrefillWorker:
         rid = msg.request_id
         self.sched.prefill_only.add(rid)
         engine_msg = EngineRequest(rid, msg.prompt_token_ids, msg.sampling, msg.arrival_time,
-                                   msg.cache_salt)  # fmt: skip
+                                   msg.cache_salt, msg.output_token_ids)  # fmt: skip
         err = self.core.add_request(engine_msg)
         if err is not None:
             self.sched.prefill_only.discard(rid)
             self.out.append(PrefillFailed(rid, err.error or "invalid request"))
             return
-        self.shipments[rid] = _Shipment(msg.dest)
+        num_tokens = len(msg.prompt_token_ids) + len(msg.output_token_ids)
+        self.shipments[rid] = _Shipment(msg.dest, num_tokens)
 
     def _abort(self, rid: str) -> None:
         ship = self.shipments.get(rid)
@@ -133,14 +136,29 @@ class PrefillWorker:
 
     def step(self) -> None:
         self._stepped |= self.core.has_work
+        before = {rid: r.num_computed_tokens for rid, r in self.sched.requests.items()}
+        started = time.perf_counter()
         for out in self.core.step() if self.core.has_work else []:
             if out.finish_reason is not None:
                 self._prefilled(out)
+        self._measure(before, time.perf_counter() - started)
         for rid, ship in self.shipments.items():
             req = self.sched.requests.get(rid)
             if ship.failure is None and req is not None and req.status is Status.RUNNING:
-                self._ship(rid, ship, min(req.num_computed_tokens, req.num_prompt_tokens))
+                self._ship(rid, ship, min(req.num_computed_tokens, ship.num_tokens))
         self._collect()
+
+    def _measure(self, before: dict[str, int], seconds: float) -> None:
+        """Fold this step's prompt tokens per second into the moving average."""
+        computed = 0
+        for rid, was in before.items():
+            req = self.sched.requests.get(rid)
+            ship = self.shipments.get(rid)
+            now = req.num_computed_tokens if req else ship.num_tokens if ship else was
+            computed += max(0, now - was)
+        if computed and seconds > 0:
+            rate, old = computed / seconds, self.tokens_per_s
+            self.tokens_per_s = 0.8 * old + 0.2 * rate if old else rate
 
     def _prefilled(self, out: RequestOutput) -> None:
         rid = out.request_id
@@ -153,7 +171,7 @@ class PrefillWorker:
             error = out.error or f"prefill ended: {out.finish_reason}"
             self._stop(rid, ship, PrefillFailed(rid, error))
         elif out.finish_reason == PREFILLED:
-            self._ship(rid, ship, self.sched.held[rid].num_prompt_tokens, final=True)
+            self._ship(rid, ship, ship.num_tokens, final=True)
         # otherwise the first token ends the request: D needs no more KV
 
     def _ship(self, rid: str, ship: _Shipment, num_tokens: int, final: bool = False) -> None:
@@ -194,7 +212,8 @@ class PrefillWorker:
                 except Exception as exc:  # TransferError, or anything the backend raised
                     if ship.failure is None:
                         log.warning("KV transfer of %s failed: %s", rid, exc)
-                        self._stop(rid, ship, PrefillFailed(rid, f"KV transfer failed: {exc}"))
+                        failure = PrefillFailed(rid, f"KV transfer failed: {exc}", retry=True)
+                        self._stop(rid, ship, failure)
                     continue
                 ship.num_blocks += stats.num_blocks
                 ship.num_bytes += stats.num_bytes
@@ -216,7 +235,8 @@ class PrefillWorker:
         events = from_block_events(self.core.kv.pool.drain_events())
         out, self.out = self.out, []
         if out or events or self._stepped:
-            out.append(PrefillStats(self.sched.stats(), self.sched.num_transferring, events))
+            out.append(PrefillStats(self.sched.stats(), self.sched.num_transferring, events,
+                                    self.tokens_per_s))  # fmt: skip
         self._stepped = False
         return out
 
@@ -236,7 +256,8 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str, args) -> None
         return
     cfg = core.config
     outbox.send(encode(PrefillReady(cfg.cache.num_blocks, cfg.cache.block_size,
-                                    core.max_model_len, core.model_name)))  # fmt: skip
+                                    core.max_model_len, core.model_name,
+                                    core.hash_extra)))  # fmt: skip
     try:
         _loop(worker, inbox, outbox)
     finally:

@@ -1,2 +1,2 @@
-"""Where requests run: worker processes and their health, P/D pairing, the frontend's
+"""Where requests run: worker processes and their health, routing policies and the prefix index, the frontend's
 handle on the prefill and decode pools (``router.disagg.DisaggClient``)."""

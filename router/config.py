@@ -20,11 +20,16 @@ class PDConfig:
     transport: str = "shm"
     local_prefill_tokens: int = 16
     transfer_timeout_s: float = 120.0
-    pairing: str = "round_robin"
+    policy: str = "cache_aware"  # router.policies
     kv_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("need at least one prefill and one decode worker")
+        from router.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown router policy {self.policy!r}; "
+                             f"choose from {sorted(POLICIES)}")  # fmt: skip
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")

@@ -4,19 +4,28 @@ the single-engine topology, with the same surface (``start``, ``generate``, ``ab
 
 A request, seen from here:
 
-1. ``generate`` pairs a prefill worker P and a decode worker D (``router.pairing``) and
-   sends D a ``DecodeRequest``.
+1. ``generate`` hashes the prompt into its block chain (``kvstore.hashing``), asks the
+   prefix index (``router.index``, fed by the workers' KV events) what each decode worker
+   already holds of it, lets the decode pool's policy (``router.policies``) pick a decode
+   worker D and sends it a ``DecodeRequest``.
 2. D either prefills it itself (short uncached tail) and just streams outputs, or
-   reserves blocks and answers ``KVWanted``; this client forwards that to P as a
-   ``PrefillRequest`` (to another P if the chosen one died meanwhile).
+   reserves blocks and answers ``KVWanted``; the prefill pool's policy then picks a
+   prefill worker P (again from the index and the load this frontend has sent each
+   worker) and this client sends it a ``PrefillRequest``.
 3. P computes the prompt, ships the KV into D's blocks and answers ``PrefillDone`` (or
    ``PrefillFailed``); this client tells D ``KVReady`` (or ``KVFailed``) — always, also
    when the client has left, because D frees the reserved blocks only then.
 4. D streams ``RequestOutput``s, first token first, into the request's queue.
 
-Leaving ``generate`` early aborts on both sides. A dead D fails its requests at once
-(``EngineDeadError``) and aborts their prefills; a dead P turns its pending transfers
-into ``KVFailed``, which D reports to the client as an error. Dead workers leave rotation.
+Failures: a prefill that fails for a reason other than the request itself (its worker
+died, the transfer broke) is retried on another prefill worker, into the same reserved
+blocks. When a decode worker dies, each of its requests *migrates*: another decode
+worker gets the prompt plus the tokens already streamed as a resumed request
+(``output_token_ids``: they count as output, for max_tokens, penalties and a grammar), its
+prefix comes from whichever cache holds it, and the client's stream goes on from the
+next token, none lost or repeated. Each attempt has its own id on the worker channels
+(``wire_id``), so nothing of a dead attempt can mix into the next. Leaving ``generate``
+early aborts on both sides. Dead workers leave rotation and the index.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -39,24 +48,51 @@ from engine.config import EngineConfig
 from engine.loader import load_tokenizer
 from engine.messages import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvstore.hashing import BlockHash, hash_chain
 from prefill import messages as pm
 from router.config import PDConfig
-from router.metrics import TransferMetrics, WorkerQueueCollector
-from router.pairing import Candidate, get_policy
+from router.index import PrefixIndex
+from router.metrics import RouterMetrics, TransferMetrics, WorkerQueueCollector
+from router.policies import Candidate, get_policy
 from router.workers import WorkerProcess
 
 log = logging.getLogger("ferry.router")
 
+MAX_ATTEMPTS = 4  # a request migrates at most this many times minus one
+
 
 @dataclass
 class _Route:
+    """A client's request while its stream is open."""
+
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
     arrival: float
-    prefill: WorkerProcess
+    hashes: list[BlockHash]
     decode: WorkerProcess
     queue: asyncio.Queue
+    emitted: list[int] = field(default_factory=list)  # tokens already given to the client
+    attempt: int = 0
+    predicted_hit: int = 0  # tokens the index said the chosen workers hold
+    seen_first: bool = False
+    finished: bool = False  # its last output is in the queue
+
+    @property
+    def wire_id(self) -> str:
+        return self.request_id if not self.attempt else f"{self.request_id}~{self.attempt}"
+
+
+@dataclass
+class _Transfer:
+    """A prefill whose KV a decode worker waits for (outlives the route if the client
+    leaves: the decode worker must still hear how it ended)."""
+
+    request: pm.PrefillRequest
+    prefill: WorkerProcess
+    decode: WorkerProcess
+    queued_tokens: int
+    tried: set[str] = field(default_factory=set)
 
 
 class DisaggClient:
@@ -68,12 +104,17 @@ class DisaggClient:
         self.model_name = ""
         self.max_model_len = 0
         self.block_size = config.cache.block_size
+        self.hash_extra = b""
         self.num_blocks = 0
         self.tokenizer = None
         self.transfers = TransferMetrics()
-        self._policy = get_policy(pd.pairing)
-        self._routes: dict[str, _Route] = {}
-        self._pending: dict[str, tuple[WorkerProcess, WorkerProcess]] = {}  # rid -> (P, D)
+        self.router_metrics = RouterMetrics(pd.policy)
+        self.index = PrefixIndex()
+        self._prefill_policy = get_policy(pd.policy, "prefill")
+        self._decode_policy = get_policy(pd.policy, "decode")
+        self._routes: dict[str, _Route] = {}  # by the client's request id
+        self._wire: dict[str, _Route] = {}  # by the id of the current attempt
+        self._pending: dict[str, _Transfer] = {}  # by wire id
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
@@ -113,6 +154,7 @@ class DisaggClient:
         first = self.decode[0].ready
         self.model_name = first.model_name
         self.block_size = first.block_size
+        self.hash_extra = first.hash_extra
         self.num_blocks = sum(w.ready.num_blocks for w in self.workers)
         self.max_model_len = min(w.ready.max_model_len for w in self.workers)
         for w in self.prefill:
@@ -138,7 +180,8 @@ class DisaggClient:
                 "workers": [w.describe() for w in self.workers]}  # fmt: skip
 
     def collectors(self) -> list:
-        return [*self.transfers.collectors(), WorkerQueueCollector(lambda: self.workers)]
+        return [*self.transfers.collectors(), *self.router_metrics.collectors(),
+                WorkerQueueCollector(lambda: self.workers)]  # fmt: skip
 
     @property
     def stats(self) -> EngineStats:
@@ -156,19 +199,15 @@ class DisaggClient:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last has ``finish_reason``. Leaving early
         aborts it on both workers."""
-        prefill = [w for w in self.prefill if w.alive]
-        decode = [w for w in self.decode if w.alive]
-        if not prefill or not decode:
-            raise EngineDeadError("no live prefill/decode engine workers")
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        pair = self._policy.select(_candidates(prefill), _candidates(decode), prompt_token_ids)
-        route = _Route(request_id, prompt_token_ids, sampling, time.time(),
-                       prefill[pair.prefill], decode[pair.decode], asyncio.Queue())  # fmt: skip
+        # the last prompt token is always computed, so only blocks before it can be hits
+        hashes = hash_chain(prompt_token_ids[:-1], self.block_size, self.hash_extra)
+        decode = self._choose_decode(hashes, len(prompt_token_ids))
+        route = _Route(request_id, prompt_token_ids, sampling, time.time(), hashes, decode,
+                       asyncio.Queue())  # fmt: skip
         self._routes[request_id] = route
-        route.decode.send(
-            dm.DecodeRequest(request_id, prompt_token_ids, sampling, route.arrival), dm.encode
-        )
+        self._dispatch(route)
         finished = False
         try:
             while not finished:
@@ -178,21 +217,60 @@ class DisaggClient:
                 finished = out.finish_reason is not None
                 yield out
         finally:
-            self._routes.pop(request_id, None)
+            self._close(route)
             if not finished:
                 self._abort(route)
 
+    def _choose_decode(
+        self, hashes: list[BlockHash], num_tokens: int, exclude: WorkerProcess | None = None
+    ) -> WorkerProcess:
+        decode = [w for w in self.decode if w.alive and w is not exclude]
+        if not decode or not any(w.alive for w in self.prefill):
+            raise EngineDeadError("no live prefill/decode engine workers")
+        return self._choose(self._decode_policy, decode, hashes, num_tokens)[0]
+
+    def _choose(self, policy, workers, hashes, num_tokens) -> tuple[WorkerProcess, int]:
+        """A worker of one pool by ``policy``, and the prompt tokens the index says it
+        holds."""
+        started = time.perf_counter()
+        hits = self.index.match(hashes, [w.name for w in workers])
+        candidates = [_candidate(w, hits[w.name] * self.block_size) for w in workers]
+        chosen = candidates[policy.select(candidates, num_tokens)]
+        self.router_metrics.decided(policy.role, time.perf_counter() - started)
+        return next(w for w in workers if w.name == chosen.name), chosen.hit_tokens
+
+    def _dispatch(self, route: _Route) -> None:
+        """Send the route's current attempt to its decode worker."""
+        self._wire[route.wire_id] = route
+        route.decode.inflight += 1
+        route.predicted_hit = self.index.match(route.hashes, [route.decode.name])[
+            route.decode.name
+        ] * self.block_size
+        route.decode.send(
+            dm.DecodeRequest(route.wire_id, route.prompt, route.sampling, route.arrival,
+                             output_token_ids=list(route.emitted)),
+            dm.encode,
+        )  # fmt: skip
+
+    def _close(self, route: _Route) -> None:
+        """The client is done with ``route``: stop counting it."""
+        if self._routes.get(route.request_id) is route:
+            del self._routes[route.request_id]
+        if self._wire.pop(route.wire_id, None) is not None:
+            route.decode.inflight -= 1
+
     async def abort(self, request_id: str) -> None:
-        route = self._routes.pop(request_id, None)
+        route = self._routes.get(request_id)
         if route is not None:
+            self._close(route)
             self._abort(route)
 
     def _abort(self, route: _Route) -> None:
-        rid = route.request_id
-        route.decode.send(dm.AbortDecode([rid]), dm.encode)
-        pending = self._pending.get(rid)
+        wid = route.wire_id
+        route.decode.send(dm.AbortDecode([wid]), dm.encode)
+        pending = self._pending.get(wid)
         if pending is not None:
-            pending[0].send(pm.AbortPrefill([rid]), pm.encode)
+            pending.prefill.send(pm.AbortPrefill([wid]), pm.encode)
 
     # -- worker messages --------------------------------------------------------------------
 
@@ -201,81 +279,158 @@ class DisaggClient:
             if msg.stats is not None:
                 worker.stats = msg.stats
             worker.num_transferring = msg.num_transferring
-            self._count_events(worker, msg.events)
+            self._apply_events(worker, msg.events)
             for out in msg.outputs:
-                if out.finish_reason == "error" and out.request_id in self._pending:
+                wid = out.request_id
+                if out.finish_reason == "error" and wid in self._pending:
                     # D gave up on the KV (its reservation expired): stop the prefill too
-                    prefill, _ = self._pending.pop(out.request_id)
-                    prefill.send(pm.AbortPrefill([out.request_id]), pm.encode)
-                route = self._routes.get(out.request_id)
-                if route is not None:
-                    route.queue.put_nowait(out)
+                    self._settle(wid).prefill.send(pm.AbortPrefill([wid]), pm.encode)
+                route = self._wire.get(wid)
+                if route is not None and route.decode is worker:
+                    self._deliver(route, out)
         elif isinstance(msg, dm.KVWanted):
             self._want_kv(worker, msg)
 
-    def _want_kv(self, decode: WorkerProcess, msg: dm.KVWanted) -> None:
-        rid = msg.request_id
-        route = self._routes.get(rid)
-        if route is None:  # the client left before the blocks were reserved
-            decode.send(dm.KVFailed(rid, "request gone"), dm.encode)
-            return
-        prefill = route.prefill if route.prefill.alive else self._any_prefill()
-        if prefill is None:
-            decode.send(dm.KVFailed(rid, "no live prefill worker"), dm.encode)
-            return
-        self._pending[rid] = (prefill, decode)
-        prefill.send(
-            pm.PrefillRequest(rid, route.prompt, route.sampling, msg.dest, route.arrival),
-            pm.encode,
-        )
+    def _deliver(self, route: _Route, out: RequestOutput) -> None:
+        if not route.seen_first:
+            route.seen_first = True
+            self.router_metrics.hits(route.predicted_hit, out.num_cached_tokens)
+        if route.attempt or out.request_id != route.request_id:
+            # a resumed attempt: the client knows it by its own id, and its prompt only
+            cached = min(out.num_cached_tokens, len(route.prompt))
+            out = msgspec.structs.replace(out, request_id=route.request_id,
+                                          num_cached_tokens=cached)  # fmt: skip
+        route.emitted.extend(out.new_token_ids)
+        route.finished = out.finish_reason is not None
+        route.queue.put_nowait(out)
 
-    def _any_prefill(self) -> WorkerProcess | None:
-        return next((w for w in self.prefill if w.alive), None)
+    def _want_kv(self, decode: WorkerProcess, msg: dm.KVWanted) -> None:
+        wid = msg.request_id
+        route = self._wire.get(wid)
+        if route is None:  # the client left before the blocks were reserved
+            decode.send(dm.KVFailed(wid, "request gone"), dm.encode)
+            return
+        request = pm.PrefillRequest(wid, route.prompt, route.sampling, msg.dest, route.arrival,
+                                    output_token_ids=list(route.emitted))  # fmt: skip
+        self._send_prefill(request, decode, set(), route.hashes)
+
+    def _send_prefill(
+        self, request: pm.PrefillRequest, decode: WorkerProcess, tried: set[str],
+        hashes: list[BlockHash],
+    ) -> None:  # fmt: skip
+        """Have a prefill worker not in ``tried`` fill ``request.dest``; tell ``decode``
+        KVFailed if none is left."""
+        wid = request.request_id
+        live = [w for w in self.prefill if w.alive and w.name not in tried]
+        if not live:
+            decode.send(dm.KVFailed(wid, "no live prefill worker could compute the prompt"),
+                        dm.encode)  # fmt: skip
+            return
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        prefill, hit = self._choose(self._prefill_policy, live, hashes, num_tokens)
+        queued = max(0, num_tokens - hit)
+        prefill.inflight += 1
+        prefill.queued_tokens += queued
+        self._pending[wid] = _Transfer(request, prefill, decode, queued, tried | {prefill.name})
+        route = self._wire.get(wid)
+        if route is not None:
+            route.predicted_hit = max(route.predicted_hit, hit)
+        prefill.send(request, pm.encode)
+
+    def _settle(self, wid: str) -> _Transfer:
+        transfer = self._pending.pop(wid)
+        transfer.prefill.inflight -= 1
+        transfer.prefill.queued_tokens -= transfer.queued_tokens
+        return transfer
 
     def _on_prefill(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
         if isinstance(msg, pm.PrefillStats):
             worker.stats = msg.stats
             worker.num_transferring = msg.num_transferring
-            self._count_events(worker, msg.events)
+            worker.tokens_per_s = msg.tokens_per_s
+            self._apply_events(worker, msg.events)
             return
         if not isinstance(msg, pm.PrefillDone | pm.PrefillFailed):
             return
-        pending = self._pending.pop(msg.request_id, None)
-        if pending is None:
+        wid = msg.request_id
+        if wid not in self._pending or self._pending[wid].prefill is not worker:
             return
-        decode = pending[1]
+        transfer = self._settle(wid)
+        decode = transfer.decode
         if isinstance(msg, pm.PrefillDone):
             self.transfers.record(msg.num_blocks, msg.num_bytes, msg.seconds,
                                   msg.num_streamed_blocks)  # fmt: skip
-            decode.send(dm.KVReady(msg.request_id, msg.first_token, msg.logprob,
-                                   msg.num_cached_tokens), dm.encode)  # fmt: skip
+            decode.send(dm.KVReady(wid, msg.first_token, msg.logprob, msg.num_cached_tokens),
+                        dm.encode)  # fmt: skip
+            return
+        if not msg.aborted:
+            self.transfers.failures.inc()
+        if msg.retry and wid in self._wire:
+            self._retry_prefill(transfer, msg.error)
         else:
-            if not msg.aborted:
-                self.transfers.failures.inc()
-            decode.send(dm.KVFailed(msg.request_id, msg.error), dm.encode)
+            decode.send(dm.KVFailed(wid, msg.error), dm.encode)
 
-    def _count_events(self, worker: WorkerProcess, events: list) -> None:
+    def _retry_prefill(self, transfer: _Transfer, error: str) -> None:
+        wid = transfer.request.request_id
+        if time.time() > transfer.request.dest.deadline:
+            transfer.decode.send(dm.KVFailed(wid, error), dm.encode)
+            return
+        log.warning("prefill of %s on %s failed (%s); retrying elsewhere", wid,
+                    transfer.prefill.name, error)  # fmt: skip
+        self.router_metrics.retries.inc()
+        route = self._wire.get(wid)
+        hashes = route.hashes if route is not None else []
+        self._send_prefill(transfer.request, transfer.decode, transfer.tried, hashes)
+
+    def _apply_events(self, worker: WorkerProcess, events: list) -> None:
+        if events:
+            self.index.apply(worker.name, events)
         for e in events:
             self.transfers.kv_events.labels(worker.role, e.kind).inc()
 
     # -- deaths -------------------------------------------------------------------------------
 
     def _on_decode_death(self, worker: WorkerProcess) -> None:
-        error = EngineDeadError(f"{worker.dead} (its engine process died)")
-        for route in list(self._routes.values()):
-            if route.decode is worker:
-                route.queue.put_nowait(error)
-        for rid, (prefill, decode) in list(self._pending.items()):
-            if decode is worker:
-                del self._pending[rid]
-                prefill.send(pm.AbortPrefill([rid]), pm.encode)
+        self.index.remove_worker(worker.name)
+        for wid, transfer in list(self._pending.items()):
+            if transfer.decode is worker:
+                self._settle(wid).prefill.send(pm.AbortPrefill([wid]), pm.encode)
+        for route in [r for r in self._wire.values() if r.decode is worker]:
+            self._migrate(route, f"{worker.dead} (its engine process died)")
+
+    def _migrate(self, route: _Route, why: str) -> None:
+        """Resume ``route`` on another decode worker, from the tokens already streamed."""
+        self._wire.pop(route.wire_id, None)
+        route.decode.inflight -= 1
+        if route.finished:
+            return
+        context = route.prompt + route.emitted
+        hashes = hash_chain(context[:-1], self.block_size, self.hash_extra)
+        try:
+            if route.attempt + 1 >= MAX_ATTEMPTS:
+                raise EngineDeadError(f"gave up after {MAX_ATTEMPTS} attempts")
+            decode = self._choose_decode(hashes, len(context), exclude=route.decode)
+        except EngineDeadError as exc:
+            route.queue.put_nowait(EngineDeadError(f"{why}; {exc}"))
+            return
+        route.hashes, route.decode = hashes, decode
+        log.warning("%s: resuming %s on %s after %d tokens", why, route.request_id,
+                    route.decode.name, len(route.emitted))  # fmt: skip
+        self.router_metrics.migrations.inc()
+        route.attempt += 1
+        self._dispatch(route)
 
     def _on_prefill_death(self, worker: WorkerProcess) -> None:
-        for rid, (prefill, decode) in list(self._pending.items()):
-            if prefill is worker:
-                del self._pending[rid]
+        self.index.remove_worker(worker.name)
+        for wid, transfer in list(self._pending.items()):
+            if transfer.prefill is worker:
+                self._settle(wid)
                 self.transfers.failures.inc()
-                decode.send(dm.KVFailed(rid, f"{worker.dead} before the KV arrived"), dm.encode)
+                if wid in self._wire:
+                    self._retry_prefill(transfer, f"{worker.dead} before the KV arrived")
+                else:
+                    transfer.decode.send(dm.KVFailed(wid, f"{worker.dead} before the KV "
+                                                          "arrived"), dm.encode)  # fmt: skip
 
 
 def worker_devices(device: str, count: int) -> list[str]:
@@ -291,9 +446,11 @@ def worker_devices(device: str, count: int) -> list[str]:
     return [f"cuda:{i % n}" for i in range(count)]
 
 
-def _candidates(workers: list[WorkerProcess]) -> list[Candidate]:
-    return [
-        Candidate(w.name, w.stats.num_running if w.stats else 0,
-                  w.stats.num_waiting if w.stats else 0)
-        for w in workers
-    ]  # fmt: skip
+def _candidate(w: WorkerProcess, hit_tokens: int) -> Candidate:
+    stats = w.stats
+    if stats is None:
+        return Candidate(w.name, hit_tokens, w.inflight, w.queued_tokens,
+                         tokens_per_s=w.tokens_per_s)  # fmt: skip
+    free = 1.0 - stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 1.0
+    return Candidate(w.name, hit_tokens, w.inflight, w.queued_tokens, stats.num_running,
+                     stats.num_waiting, free, w.tokens_per_s)  # fmt: skip

@@ -49,6 +49,50 @@ class TransferMetrics:
                 self.kv_events]  # fmt: skip
 
 
+_DECISION_BUCKETS = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    """Routing decisions, what the index predicted vs what the workers found, retries."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.decisions = Counter("ferry_router_decisions", "Workers chosen, by pool and policy",
+                                 ["pool", "policy"], registry=None)  # fmt: skip
+        self.decision_seconds = Histogram(
+            "ferry_router_decision_seconds", "Time to choose a worker (index lookup + policy)",
+            buckets=_DECISION_BUCKETS, registry=None,
+        )  # fmt: skip
+        self.predicted_hit_tokens = Counter(
+            "ferry_router_predicted_hit_tokens",
+            "Prompt tokens the prefix index said the chosen workers hold", registry=None,
+        )  # fmt: skip
+        self.actual_hit_tokens = Counter(
+            "ferry_router_actual_hit_tokens",
+            "Prompt tokens the chosen workers found in a cache", registry=None,
+        )  # fmt: skip
+        self.retries = Counter("ferry_router_prefill_retries",
+                               "Prefills retried on another prefill worker",
+                               registry=None)  # fmt: skip
+        self.migrations = Counter("ferry_router_migrations",
+                                  "Requests resumed on another decode worker",
+                                  registry=None)  # fmt: skip
+
+    def decided(self, pool: str, seconds: float) -> None:
+        self.decisions.labels(pool, self.policy).inc()
+        self.decision_seconds.observe(seconds)
+
+    def hits(self, predicted: int, actual: int) -> None:
+        self.predicted_hit_tokens.inc(predicted)
+        self.actual_hit_tokens.inc(actual)
+
+    def collectors(self) -> list[Collector]:
+        return [self.decisions, self.decision_seconds, self.predicted_hit_tokens,
+                self.actual_hit_tokens, self.retries, self.migrations]  # fmt: skip
+
+
 class WorkerQueueCollector(Collector):
     """Per-worker queue depths and health, read from the workers' latest stats."""
 
@@ -67,6 +111,13 @@ class WorkerQueueCollector(Collector):
                 "Requests whose KV is reserved for or in a transfer", labels=labels),
             "healthy": GaugeMetricFamily("ferry_worker_healthy", "1 while a worker is alive",
                                          labels=labels),
+            "inflight": GaugeMetricFamily(
+                "ferry_worker_requests_inflight",
+                "Requests this frontend has sent a worker and not seen finish", labels=labels),
+            "queued": GaugeMetricFamily(
+                "ferry_worker_queued_prompt_tokens",
+                "Prompt tokens this frontend has sent a worker to compute, not yet computed",
+                labels=labels),
         }  # fmt: skip
         for w in self._workers():
             key = [w.role, w.name]
@@ -75,6 +126,8 @@ class WorkerQueueCollector(Collector):
             families["running"].add_metric(key, stats.num_running if stats else 0)
             families["transferring"].add_metric(key, w.num_transferring)
             families["healthy"].add_metric(key, 1 if w.alive else 0)
+            families["inflight"].add_metric(key, w.inflight)
+            families["queued"].add_metric(key, w.queued_tokens)
         yield from families.values()
 
     def describe(self) -> Iterator[Metric]:

@@ -51,6 +51,10 @@ class WorkerProcess:
         self.dead: str | None = None
         self.stats = None  # the worker's latest EngineStats
         self.num_transferring = 0
+        self.tokens_per_s = 0.0  # a prefill worker's measured rate
+        # what this frontend has sent it and not yet seen finish (the router's load view)
+        self.inflight = 0
+        self.queued_tokens = 0
         self.proc: subprocess.Popen | None = None
         self._in_addr = f"ipc://{tmpdir}/{name}-in"
         self._out_addr = f"ipc://{tmpdir}/{name}-out"
