@@ -1,2 +1,3 @@
-"""Where requests run: worker processes and their health, routing policies and the prefix index, the frontend's
-handle on the prefill and decode pools (``router.disagg.DisaggClient``)."""
+"""Where requests run: worker processes and their health, the prefix index and routing
+policies, and the frontend's handle on the prefill and decode pools
+(``router.disagg.DisaggClient``)."""

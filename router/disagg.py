@@ -48,12 +48,11 @@ from engine.config import EngineConfig
 from engine.loader import load_tokenizer
 from engine.messages import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
-from kvstore.hashing import BlockHash, hash_chain
+from kvstore.hashing import BlockHash
 from prefill import messages as pm
 from router.config import PDConfig
-from router.index import PrefixIndex
-from router.metrics import RouterMetrics, TransferMetrics, WorkerQueueCollector
-from router.policies import Candidate, get_policy
+from router.metrics import TransferMetrics, WorkerQueueCollector
+from router.routing import Router
 from router.workers import WorkerProcess
 
 log = logging.getLogger("ferry.router")
@@ -104,14 +103,12 @@ class DisaggClient:
         self.model_name = ""
         self.max_model_len = 0
         self.block_size = config.cache.block_size
-        self.hash_extra = b""
         self.num_blocks = 0
         self.tokenizer = None
         self.transfers = TransferMetrics()
-        self.router_metrics = RouterMetrics(pd.policy)
-        self.index = PrefixIndex()
-        self._prefill_policy = get_policy(pd.policy, "prefill")
-        self._decode_policy = get_policy(pd.policy, "decode")
+        self.router = Router(pd.policy, config.cache.block_size)
+        self.router_metrics = self.router.metrics
+        self.index = self.router.index
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
@@ -153,8 +150,8 @@ class DisaggClient:
         self.tokenizer = await tokenizer
         first = self.decode[0].ready
         self.model_name = first.model_name
-        self.block_size = first.block_size
-        self.hash_extra = first.hash_extra
+        self.block_size = self.router.block_size = first.block_size
+        self.router.hash_extra = first.hash_extra
         self.num_blocks = sum(w.ready.num_blocks for w in self.workers)
         self.max_model_len = min(w.ready.max_model_len for w in self.workers)
         for w in self.prefill:
@@ -201,8 +198,7 @@ class DisaggClient:
         aborts it on both workers."""
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        # the last prompt token is always computed, so only blocks before it can be hits
-        hashes = hash_chain(prompt_token_ids[:-1], self.block_size, self.hash_extra)
+        hashes = self.router.hashes(prompt_token_ids)
         decode = self._choose_decode(hashes, len(prompt_token_ids))
         route = _Route(request_id, prompt_token_ids, sampling, time.time(), hashes, decode,
                        asyncio.Queue())  # fmt: skip
@@ -227,25 +223,16 @@ class DisaggClient:
         decode = [w for w in self.decode if w.alive and w is not exclude]
         if not decode or not any(w.alive for w in self.prefill):
             raise EngineDeadError("no live prefill/decode engine workers")
-        return self._choose(self._decode_policy, decode, hashes, num_tokens)[0]
+        return self._choose("decode", decode, hashes, num_tokens)[0]
 
-    def _choose(self, policy, workers, hashes, num_tokens) -> tuple[WorkerProcess, int]:
-        """A worker of one pool by ``policy``, and the prompt tokens the index says it
-        holds."""
-        started = time.perf_counter()
-        hits = self.index.match(hashes, [w.name for w in workers])
-        candidates = [_candidate(w, hits[w.name] * self.block_size) for w in workers]
-        chosen = candidates[policy.select(candidates, num_tokens)]
-        self.router_metrics.decided(policy.role, time.perf_counter() - started)
-        return next(w for w in workers if w.name == chosen.name), chosen.hit_tokens
+    def _choose(self, role, workers, hashes, num_tokens) -> tuple[WorkerProcess, int]:
+        return self.router.choose(role, workers, hashes, num_tokens)
 
     def _dispatch(self, route: _Route) -> None:
         """Send the route's current attempt to its decode worker."""
         self._wire[route.wire_id] = route
         route.decode.inflight += 1
-        route.predicted_hit = self.index.match(route.hashes, [route.decode.name])[
-            route.decode.name
-        ] * self.block_size
+        route.predicted_hit = self.router.hit_tokens(route.decode, route.hashes)
         route.decode.send(
             dm.DecodeRequest(route.wire_id, route.prompt, route.sampling, route.arrival,
                              output_token_ids=list(route.emitted)),
@@ -327,7 +314,7 @@ class DisaggClient:
                         dm.encode)  # fmt: skip
             return
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        prefill, hit = self._choose(self._prefill_policy, live, hashes, num_tokens)
+        prefill, hit = self._choose("prefill", live, hashes, num_tokens)
         queued = max(0, num_tokens - hit)
         prefill.inflight += 1
         prefill.queued_tokens += queued
@@ -405,7 +392,7 @@ class DisaggClient:
         if route.finished:
             return
         context = route.prompt + route.emitted
-        hashes = hash_chain(context[:-1], self.block_size, self.hash_extra)
+        hashes = self.router.hashes(context)
         try:
             if route.attempt + 1 >= MAX_ATTEMPTS:
                 raise EngineDeadError(f"gave up after {MAX_ATTEMPTS} attempts")
@@ -444,13 +431,3 @@ def worker_devices(device: str, count: int) -> list[str]:
     if n == 0:
         raise ValueError("--device cuda, but no GPU is visible")
     return [f"cuda:{i % n}" for i in range(count)]
-
-
-def _candidate(w: WorkerProcess, hit_tokens: int) -> Candidate:
-    stats = w.stats
-    if stats is None:
-        return Candidate(w.name, hit_tokens, w.inflight, w.queued_tokens,
-                         tokens_per_s=w.tokens_per_s)  # fmt: skip
-    free = 1.0 - stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 1.0
-    return Candidate(w.name, hit_tokens, w.inflight, w.queued_tokens, stats.num_running,
-                     stats.num_waiting, free, w.tokens_per_s)  # fmt: skip
