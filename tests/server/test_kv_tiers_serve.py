@@ -85,9 +85,10 @@ def test_restarted_server_serves_the_prompt_from_the_file_tier(tmp_path, serve):
 
 def test_a_decode_worker_loads_the_prefix_another_one_wrote(tmp_path, serve):
     kv_dir = tmp_path / "kv"
-    # decode workers prefill everything themselves, so the only writer is the first of them
+    # decode workers prefill everything themselves, so the only writer is the first of
+    # them; round-robin sends the repeat to the other one (cache-aware would not)
     flags = ("--threads", "1", "--kv-dir", str(kv_dir), "--kv-tiers", "file", "--decode", "2",
-             "--local-prefill-tokens", "100000")  # fmt: skip
+             "--local-prefill-tokens", "100000", "--router-policy", "round_robin")  # fmt: skip
     with serve(tmp_path / "serve.log", *flags) as s:
         first = complete(s, PROMPT)  # round-robin: decode worker 0
         assert first["cached"] == 0
