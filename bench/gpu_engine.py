@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -426,6 +428,18 @@ def hf_generate(model, batch: int, context: int, new_tokens: int, compiled: bool
     }
 
 
+def transformers_only(preset: str, points: str, out: Path) -> None:
+    """Plain and compiled transformers at each BxL of ``points``; JSON list to ``out``."""
+    model = _hf_model(load_model_config_for(preset))
+    results = []
+    for compiled in (False, True):
+        for spec in points.split(","):
+            b, c = (int(v) for v in spec.split("x"))
+            results.append(hf_generate(model, b, c, 48, compiled))
+            print(results[-1], flush=True)
+            out.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -433,6 +447,7 @@ def main() -> None:
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--hf", action="store_true", help="also time transformers")
+    parser.add_argument("--hf-only", action="store_true", help="time transformers alone")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on a small preset")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--points", default="1x1024,8x1024,64x1024,256x1024,1x8192,8x8192,64x8192")
@@ -444,6 +459,9 @@ def main() -> None:
     parser.add_argument("--commit", help="commit to record (default: git's, where there is one)")
     parser.add_argument("--out", default="bench/results/gpu_engine.json")
     args = parser.parse_args()
+    if args.hf_only:
+        transformers_only(args.preset, args.hf_points, Path(args.out))
+        return
 
     def parse(spec: str) -> list[tuple[int, int]]:
         return [tuple(int(v) for v in p.split("x")) for p in spec.split(",") if p]
@@ -500,19 +518,16 @@ def main() -> None:
         for bs in (16, 128)
     ]
     save()
-    if args.hf:
-        model = _hf_model(load_model_config_for(args.preset))
-        hf_points = parse(args.hf_points)
+    if args.hf:  # in a process of its own: in this one, after ferry, it ran 1.3-6x slower
         roof = {(d["batch"], d["context"]): d["roofline_ms"] for d in decode}
-        report["transformers"] = []
-        for compiled in (False, True):
-            for b, c in hf_points:
-                h = hf_generate(model, b, c, 48, compiled)
-                if (b, c) in roof:
-                    h["fraction_of_roofline"] = roof[(b, c)] / h["step_ms"]
-                report["transformers"].append(h)
-                print(h, flush=True)
-                save()
+        hf_out = out.with_name(out.stem + "_transformers.json")
+        command = [sys.executable, "-m", "bench.gpu_engine", "--hf-only", "--preset",
+                   args.preset, "--hf-points", args.hf_points, "--out", str(hf_out)]  # fmt: skip
+        subprocess.run(command, check=False)
+        report["transformers"] = json.loads(hf_out.read_text()) if hf_out.exists() else []
+        for h in report["transformers"]:
+            if (h["batch"], h["context"]) in roof:
+                h["fraction_of_roofline"] = roof[(h["batch"], h["context"])] / h["step_ms"]
     save()
     print_report(report)
 
