@@ -32,11 +32,18 @@ def value(h: bytes) -> float:
 class Engine:
     """A scheduler over a real KV cache and tiers; ``step`` plays the runner."""
 
-    def __init__(self, num_blocks, tmp_path=None, host_slots=0, cls=Scheduler, budget=64):
-        self.cache = KVCache(LAYOUT, num_blocks, "cpu")
+    def __init__(
+        self, num_blocks, tmp_path=None, host_slots=0, cls=Scheduler, budget=64, device="cpu"
+    ):
+        self.cache = KVCache(LAYOUT, num_blocks, device)
         events = TierEvents()
         meta = block_meta(self.cache, "fake:llama:2x1x2")
-        host = HostTier(host_slots, meta.block_shape, meta.dtype, events) if host_slots else None
+        pin = device.startswith("cuda")
+        host = (
+            HostTier(host_slots, meta.block_shape, meta.dtype, events, pin_memory=pin)
+            if host_slots
+            else None
+        )
         self.file = FileTier(tmp_path, meta, 1 << 30, 3600.0, events) if tmp_path else None
         tiers = KVTiers(self.cache, host, self.file, events)
         self.kv = KVCacheManager(BlockPool(num_blocks), BS, tiers)
