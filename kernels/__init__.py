@@ -12,6 +12,7 @@ import it on first use, so CPU-only machines can use the references.
   prefill, cached prefixes).
 - ``norm_rope_cache``: fused residual add + RMSNorm, rotary embedding in place, and the
   KV-cache write by slot mapping.
+- ``activation``: SiLU-and-mul, the SwiGLU gate over the fused gate/up projection.
 """
 
 from kernels._tl import tilelang_available
