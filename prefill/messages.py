@@ -88,6 +88,7 @@ class PrefillStats(msgspec.Struct, tag=True):
     num_transferring: int = 0
     events: list[KVEvent] = []
     tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
+    draining: bool = False  # finishing what it has; send it nothing new
 
 
 PrefillMessage = PrefillReady | WorkerFailed | PrefillDone | PrefillFailed | PrefillStats

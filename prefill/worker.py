@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +28,7 @@ import msgspec
 from engine import envs
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.ipc import worker_sockets
+from engine.ipc import WorkerChannel, add_worker_args, linger, parent_watch, run_worker_main
 from engine.kv_cache.block_pool import Block
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PREFILLED, PDScheduler
@@ -86,6 +85,7 @@ class PrefillWorker:
         self.shipments: dict[str, _Shipment] = {}
         self.out: list[msgspec.Struct] = []
         self.tokens_per_s = 0.0
+        self.draining = False  # finishing what it has (reported to frontends)
         self._stepped = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
 
@@ -230,13 +230,17 @@ class PrefillWorker:
                            ship.num_blocks, ship.num_bytes, ship.seconds,
                            ship.streamed)  # fmt: skip
 
+    def heartbeat(self) -> PrefillStats:
+        return PrefillStats(self.sched.stats(), self.sched.num_transferring, [],
+                            self.tokens_per_s, self.draining)  # fmt: skip
+
     def drain(self) -> list[msgspec.Struct]:
         """Messages for the frontend; stats only when something moved."""
         events = from_block_events(self.core.kv.pool.drain_events())
         out, self.out = self.out, []
         if out or events or self._stepped:
             out.append(PrefillStats(self.sched.stats(), self.sched.num_transferring, events,
-                                    self.tokens_per_s))  # fmt: skip
+                                    self.tokens_per_s, self.draining))  # fmt: skip
         self._stepped = False
         return out
 
@@ -245,57 +249,72 @@ class PrefillWorker:
         self.sender.close()
 
 
-def serve(config: EngineConfig, input_addr: str, output_addr: str, args) -> None:
-    inbox, outbox = worker_sockets(input_addr, output_addr)
+def serve(config: EngineConfig, channel: WorkerChannel, args) -> None:
+    """Run a prefill worker on ``channel`` until told to shut down."""
     try:
         core = EngineCore(config, progress=False, scheduler_cls=PDScheduler)
         worker = PrefillWorker(core, args.transport, args.transfer_timeout)
     except Exception as exc:
         log.exception("prefill worker failed to start")
-        outbox.send(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        channel.ready(encode(WorkerFailed(f"{type(exc).__name__}: {exc}")))
+        linger(channel)
         return
     cfg = core.config
-    outbox.send(encode(PrefillReady(cfg.cache.num_blocks, cfg.cache.block_size,
-                                    core.max_model_len, core.model_name,
-                                    core.hash_extra)))  # fmt: skip
+    channel.ready(encode(PrefillReady(cfg.cache.num_blocks, cfg.cache.block_size,
+                                      core.max_model_len, core.model_name,
+                                      core.hash_extra)))  # fmt: skip
     try:
-        _loop(worker, inbox, outbox)
+        _loop(worker, channel, args)
     finally:
         worker.close()
 
 
-def _loop(worker: PrefillWorker, inbox, outbox) -> None:
+def _loop(worker: PrefillWorker, channel: WorkerChannel, args) -> None:
     check = envs.DEBUG_INTEGRITY.get()
-    parent = os.getppid()
+    orphaned = parent_watch(args.exit_with_parent)
+    drain, publish = getattr(args, "drain", None), getattr(args, "events", None)
     while True:
+        worker.draining = drain is not None and drain.is_set()
+        if worker.draining and not worker.busy and not worker.sched.held:
+            channel.broadcast(encode(worker.heartbeat()))
+            return
         wait = _BUSY_POLL_MS if worker.sending and not worker.core.has_work else _IDLE_POLL_MS
-        if not worker.core.has_work and not inbox.poll(wait):
-            if os.getppid() != parent:
+        if not worker.core.has_work and not channel.poll(wait):
+            if orphaned():
                 return
             if not worker.sending:
+                channel.broadcast(encode(worker.heartbeat()))
                 continue
-        while inbox.poll(0):
-            msg = decode_input(inbox.recv())
+        while channel.poll(0):
+            got = channel.recv()
+            if got is None:
+                continue
+            frontend, msg = got[0], decode_input(got[1])
             if isinstance(msg, Shutdown):
                 return
+            if isinstance(msg, PrefillRequest):
+                channel.claim(msg.request_id, frontend)
             worker.handle(msg)
         worker.step()
         for msg in worker.drain():
-            outbox.send(encode(msg))
-        if check and not worker.busy and not worker.sched.held:
-            worker.core.check_integrity()
+            if isinstance(msg, PrefillStats):
+                channel.broadcast(encode(msg))
+                if publish is not None and msg.events:
+                    publish(msg.events)
+            else:
+                channel.send_for(msg.request_id, encode(msg), release=True)
+        if not worker.busy:
+            channel.owners.clear()
+            if check and not worker.sched.held:
+                worker.core.check_integrity()
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m prefill.worker")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--transport", default="shm")
-    parser.add_argument("--transfer-timeout", type=float, default=60.0)
+    add_worker_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
-    serve(msgspec.json.decode(args.config, type=EngineConfig), args.input, args.output, args)
+    run_worker_main(args, serve, msgspec.json.decode(args.config, type=EngineConfig))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PDConfig:
-    """How many prefill and decode workers, and how KV moves between them.
+    """How many prefill and decode workers to spawn (more may join at runtime; with none,
+    all of them do), and how KV moves between them.
 
     ``local_prefill_tokens``: a decode worker computes a prompt itself when at most this
     many of its tokens are missing from its prefix cache. ``transfer_timeout_s``: how
@@ -22,10 +23,11 @@ class PDConfig:
     transfer_timeout_s: float = 120.0
     policy: str = "cache_aware"  # router.policies
     kv_host: str = "127.0.0.1"
+    redis_url: str = ""  # workers registry + KV event stream shared by frontends (registry)
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("need at least one prefill and one decode worker")
+        if self.num_prefill < 0 or self.num_decode < 0:
+            raise ValueError("worker counts cannot be negative")
         from router.policies import POLICIES
 
         if self.policy not in POLICIES:

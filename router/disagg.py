@@ -32,9 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
+import socket
 import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -45,17 +48,23 @@ import zmq.asyncio
 from decode import messages as dm
 from engine.client import EngineDeadError
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer
+from engine.loader import load_tokenizer, model_name
 from engine.messages import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import BlockHash
 from prefill import messages as pm
 from router.config import PDConfig
 from router.metrics import TransferMetrics, WorkerQueueCollector
+from router.registry import RedisDirectory
 from router.routing import Router
 from router.workers import WorkerProcess
 
 log = logging.getLogger("ferry.router")
+
+_READY = {  # per role: the worker's ready message, and its failure to start
+    "prefill": (pm.PrefillReady, pm.WorkerFailed),
+    "decode": (dm.DecodeReady, pm.WorkerFailed),
+}
 
 MAX_ATTEMPTS = 4  # a request migrates at most this many times minus one
 
@@ -112,28 +121,14 @@ class DisaggClient:
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
+        self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
-        self._sync_ctx = zmq.Context()
-        common = ["--transport", pd.transport, "--transfer-timeout", str(pd.transfer_timeout_s)]
-        devices = worker_devices(config.device, pd.num_prefill + pd.num_decode)
-        self.prefill = [
-            self._worker(f"p{i}", "prefill", "prefill.worker", common, pm.decode_message,
-                         devices[i])  # fmt: skip
-            for i in range(pd.num_prefill)
-        ]
-        d_args = [*common, "--local-prefill-tokens", str(pd.local_prefill_tokens),
-                  "--kv-host", pd.kv_host]  # fmt: skip
-        self.decode = [
-            self._worker(f"d{i}", "decode", "decode.worker", d_args, dm.decode_message,
-                         devices[pd.num_prefill + i])  # fmt: skip
-            for i in range(pd.num_decode)
-        ]
-
-    def _worker(self, name, role, module, args, decoder, device: str) -> WorkerProcess:
-        config = self.config.replace(device=device)
-        return WorkerProcess(name, role, module, config, args, decoder, self._tmp,
-                             self._ctx, self._sync_ctx)  # fmt: skip
+        self.prefill: list[WorkerProcess] = []
+        self.decode: list[WorkerProcess] = []
+        self._joining: set[str] = set()
+        self.directory: RedisDirectory | None = None
+        self._directory_task: asyncio.Task | None = None
 
     @property
     def workers(self) -> list[WorkerProcess]:
@@ -142,29 +137,111 @@ class DisaggClient:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, timeout: float = 900.0) -> None:
+        """Spawn the configured workers (there may be none: workers can also join at
+        runtime, ``add_worker``) and wait until they are ready."""
+        pd = self.pd
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.config.model))
-        await asyncio.gather(
-            *(w.start(pm.PrefillReady, pm.WorkerFailed, timeout) for w in self.prefill),
-            *(w.start(dm.DecodeReady, pm.WorkerFailed, timeout) for w in self.decode),
-        )
+        self.model_name = model_name(self.config.model)
+        common = ["--transport", pd.transport, "--transfer-timeout", str(pd.transfer_timeout_s)]
+        d_args = [*common, "--local-prefill-tokens", str(pd.local_prefill_tokens),
+                  "--kv-host", pd.kv_host]  # fmt: skip
+        devices = iter(worker_devices(self.config.device, pd.num_prefill + pd.num_decode))
+        spawns = [(f"p{i}", "prefill", common) for i in range(pd.num_prefill)]
+        spawns += [(f"d{i}", "decode", d_args) for i in range(pd.num_decode)]
+        started = []
+        for name, role, args in spawns:
+            if pd.redis_url:  # registered for every frontend: the name must be unique
+                name = f"{self.frontend_id}/{name}"
+                args = [*args, "--redis", pd.redis_url, "--name", name, "--role", role]
+            worker = self._handle(name, role)
+            config = self.config.replace(device=next(devices))
+            ready, failed = _READY[role]
+            started.append(worker.spawn(f"{role}.worker", config, args, self._tmp, ready,
+                                        failed, timeout))  # fmt: skip
+            (self.prefill if role == "prefill" else self.decode).append(worker)
+        await asyncio.gather(*started)
         self.tokenizer = await tokenizer
-        first = self.decode[0].ready
-        self.model_name = first.model_name
-        self.block_size = self.router.block_size = first.block_size
-        self.router.hash_extra = first.hash_extra
-        self.num_blocks = sum(w.ready.num_blocks for w in self.workers)
-        self.max_model_len = min(w.ready.max_model_len for w in self.workers)
-        for w in self.prefill:
-            w.run(self._on_prefill, self._on_prefill_death)
-        for w in self.decode:
-            w.run(self._on_decode, self._on_decode_death)
+        for worker in self.workers:
+            self._enlist(worker)
+        if pd.redis_url:
+            self.directory = RedisDirectory(pd.redis_url, self._join, self.index.apply,
+                                            self._set_draining)  # fmt: skip
+            self._directory_task = asyncio.create_task(self.directory.run())
+
+    def _join(self, name: str, role: str, address: str) -> None:
+        """A worker found in the registry: attach it in the background."""
+        if any(w.name == name and w.alive for w in self.workers) or name in self._joining:
+            return
+        task = asyncio.create_task(self.add_worker(name, role, address))
+
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("worker %s at %s could not join: %s", name, address, t.exception())
+
+        task.add_done_callback(done)
+
+    def _set_draining(self, name: str, draining: bool) -> None:
+        for w in self.workers:
+            if w.name == name and draining:
+                w.draining = True
+
+    def _handle(self, name: str, role: str) -> WorkerProcess:
+        decoder = pm.decode_message if role == "prefill" else dm.decode_message
+        return WorkerProcess(name, role, decoder, self._ctx, self.frontend_id.encode())
+
+    async def add_worker(self, name: str, role: str, address: str, timeout: float = 900.0):
+        """Attach a worker started elsewhere (``ferry worker``) listening on ``address``;
+        it takes requests once it is ready. A worker of the same name that is still
+        alive is kept (a repeated registration); a dead one is replaced."""
+        if role not in _READY:
+            raise ValueError(f"a worker's role is prefill or decode, not {role!r}")
+        pool = self.prefill if role == "prefill" else self.decode
+        old = next((w for w in self.workers if w.name == name), None)
+        if (old is not None and old.alive) or name in self._joining:
+            return old
+        worker = self._handle(name, role)
+        self._joining.add(name)
+        try:
+            await worker.connect(address, *_READY[role], timeout)
+        except BaseException:
+            await worker.shutdown(b"")
+            raise
+        finally:
+            self._joining.discard(name)
+        if old is not None:
+            for group in (self.prefill, self.decode):
+                if old in group:
+                    group.remove(old)
+        pool.append(worker)
+        self._enlist(worker)
+        log.info("%s worker %s joined from %s", role, name, address)
+        return worker
+
+    def _enlist(self, worker: WorkerProcess) -> None:
+        """Take a ready worker into rotation: the first one sets the model facts."""
+        ready = worker.ready
+        if self.max_model_len == 0:
+            self.block_size = self.router.block_size = ready.block_size
+            self.router.hash_extra = ready.hash_extra
+            self.model_name = ready.model_name
+        elif (ready.block_size, ready.hash_extra) != (self.block_size, self.router.hash_extra):
+            worker.leave(f"{worker.name} serves another model or block size")
+        self.max_model_len = min(w.ready.max_model_len for w in self.workers if w.ready)
+        self.num_blocks = sum(w.ready.num_blocks for w in self.workers if w.ready)
+        if worker.role == "prefill":
+            worker.run(self._on_prefill, self._on_prefill_death)
+        else:
+            worker.run(self._on_decode, self._on_decode_death)
 
     async def shutdown(self) -> None:
+        if self._directory_task is not None:
+            self._directory_task.cancel()
+            await asyncio.gather(self._directory_task, return_exceptions=True)
+            await self.directory.close()
         await asyncio.gather(
             *(w.shutdown(pm.encode(pm.Shutdown())) for w in self.workers), return_exceptions=True
         )
         self._ctx.term()
-        self._sync_ctx.term()
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property
@@ -172,9 +249,13 @@ class DisaggClient:
         return any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
 
     def health(self) -> dict:
-        return {"healthy": self.is_healthy, "topology": "disaggregated",
-                "transport": self.pd.transport,
-                "workers": [w.describe() for w in self.workers]}  # fmt: skip
+        health = {"healthy": self.is_healthy, "topology": "disaggregated",
+                  "transport": self.pd.transport,
+                  "workers": [w.describe() for w in self.workers]}  # fmt: skip
+        if self.directory is not None:
+            health["redis"] = {"connected": self.directory.connected,
+                               "events_read": self.directory.events_read}  # fmt: skip
+        return health
 
     def collectors(self) -> list:
         return [*self.transfers.collectors(), *self.router_metrics.collectors(),
@@ -220,7 +301,7 @@ class DisaggClient:
     def _choose_decode(
         self, hashes: list[BlockHash], num_tokens: int, exclude: WorkerProcess | None = None
     ) -> WorkerProcess:
-        decode = [w for w in self.decode if w.alive and w is not exclude]
+        decode = [w for w in self.decode if w.alive and not w.draining and w is not exclude]
         if not decode or not any(w.alive for w in self.prefill):
             raise EngineDeadError("no live prefill/decode engine workers")
         return self._choose("decode", decode, hashes, num_tokens)[0]
@@ -266,6 +347,7 @@ class DisaggClient:
             if msg.stats is not None:
                 worker.stats = msg.stats
             worker.num_transferring = msg.num_transferring
+            worker.draining = msg.draining
             self._apply_events(worker, msg.events)
             for out in msg.outputs:
                 wid = out.request_id
@@ -308,7 +390,7 @@ class DisaggClient:
         """Have a prefill worker not in ``tried`` fill ``request.dest``; tell ``decode``
         KVFailed if none is left."""
         wid = request.request_id
-        live = [w for w in self.prefill if w.alive and w.name not in tried]
+        live = [w for w in self.prefill if w.alive and not w.draining and w.name not in tried]
         if not live:
             decode.send(dm.KVFailed(wid, "no live prefill worker could compute the prompt"),
                         dm.encode)  # fmt: skip
@@ -335,6 +417,7 @@ class DisaggClient:
             worker.stats = msg.stats
             worker.num_transferring = msg.num_transferring
             worker.tokens_per_s = msg.tokens_per_s
+            worker.draining = msg.draining
             self._apply_events(worker, msg.events)
             return
         if not isinstance(msg, pm.PrefillDone | pm.PrefillFailed):
@@ -370,7 +453,7 @@ class DisaggClient:
         self._send_prefill(transfer.request, transfer.decode, transfer.tried, hashes)
 
     def _apply_events(self, worker: WorkerProcess, events: list) -> None:
-        if events:
+        if events and self.directory is None:  # with Redis, the index follows its stream
             self.index.apply(worker.name, events)
         for e in events:
             self.transfers.kv_events.labels(worker.role, e.kind).inc()

@@ -6,7 +6,10 @@
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
 - ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
-  body lists each worker and whether it is alive), ``GET /metrics``.
+  body lists each worker and whether it is alive), ``GET /metrics``,
+- ``POST /internal/workers`` (with worker pools): a worker started on its own (``ferry
+  worker --frontend URL``) announces ``{name, role, address}``; the frontend connects to
+  it and takes it into rotation once it is ready (202 at once).
 
 A non-streaming request whose client disconnects is cancelled, which aborts its engine
 requests; a streaming one is cancelled by Starlette when the client goes away.
@@ -20,11 +23,11 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server import errors
@@ -41,6 +44,7 @@ M = TypeVar("M", bound=BaseModel)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ENDPOINTS = {
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+    "/internal/workers",
 }  # fmt: skip
 
 
@@ -114,6 +118,18 @@ def _add_routes(app: FastAPI) -> None:
             raise errors.model_not_found(model)
         return _json(card)
 
+    @app.post("/internal/workers")
+    async def join(request: Request) -> Response:
+        client = request.app.state.client
+        if not hasattr(client, "add_worker"):
+            raise errors.invalid_request("this server runs one engine (--aggregated): "
+                                         "no worker can join it")  # fmt: skip
+        body = await parse_body(request, WorkerAnnouncement)
+        task = asyncio.create_task(client.add_worker(body.name, body.role, body.address))
+        task.add_done_callback(_log_join)
+        return Response(json.dumps({"name": body.name, "status": "connecting"}), 202,
+                        media_type="application/json")  # fmt: skip
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
@@ -131,6 +147,17 @@ def _add_routes(app: FastAPI) -> None:
         if body.stream:
             return _event_stream(renderer.stream())
         return _json(await until_disconnected(request, renderer.response()))
+
+
+class WorkerAnnouncement(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    role: Literal["prefill", "decode"]
+    address: str = Field(pattern=r"^(tcp|ipc)://.+")
+
+
+def _log_join(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a worker could not join: %s", task.exception())
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -191,14 +218,15 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class ApiKeyMiddleware:
-    """Rejects ``/v1/*`` requests without ``Authorization: Bearer <api_key>`` (401)."""
+    """Rejects ``/v1/*`` and ``/internal/*`` requests without ``Authorization: Bearer
+    <api_key>`` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/internal/")):
             headers = dict(scope["headers"])
             sent = headers.get(b"authorization", b"")
             if not secrets.compare_digest(sent, self._expected):

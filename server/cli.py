@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 SUBCOMMANDS: dict[str, str] = {
     "serve": "server.serve",
+    "worker": "server.worker",
     "bench": "bench.load.cli",
 }
 

@@ -29,15 +29,46 @@ log = logging.getLogger("ferry.server")
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="serve a model over the OpenAI API")
+    add_engine_flags(p)
+    p.add_argument("--served-model-name", help="model id clients see (default: from the model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
+    topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
+    topo.add_argument("--aggregated", action="store_true",
+                      help="one engine process does prefill and decode (no KV transfer)")
+    topo.add_argument("--prefill", type=int, default=1, metavar="N",
+                      help="prefill workers to start (more may join: ferry worker)")
+    topo.add_argument("--decode", type=int, default=1, metavar="M",
+                      help="decode workers to start (more may join: ferry worker)")
+    add_transfer_flags(topo)
+    topo.add_argument("--router-policy", choices=sorted(POLICIES), default="cache_aware",
+                      help="how the prefill and the decode worker of a request are chosen")
+    topo.add_argument("--redis", metavar="URL",
+                      help="share workers and KV events with other frontends through Redis")
+    return p  # fmt: skip
+
+
+def add_transfer_flags(group: Any) -> None:
+    """How KV moves between workers: a frontend passes these to the workers it starts; a
+    worker started on its own (``ferry worker``) takes them itself."""
+    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"], default="shm",
+                       help="how KV moves from prefill to decode workers")
+    group.add_argument("--local-prefill-tokens", type=int, default=16,
+                       help="a decode worker prefills a prompt itself when at most this many "
+                            "of its tokens are not in its prefix cache")
+    group.add_argument("--kv-transfer-timeout", type=float, default=120.0,
+                       help="seconds a decode worker keeps blocks reserved for KV to arrive")
+    # fmt: skip
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that make an ``EngineConfig`` (``engine_config``)."""
     p.add_argument(
         "--model",
         default="default",
         help="GGUF file, HF folder, 'default' (SmolLM2-135M) or 'dummy:<preset>'",
     )
-    p.add_argument("--served-model-name", help="model id clients see (default: from the model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     p.add_argument("--block-size", type=int, help="KV cache block size in tokens")
     p.add_argument("--kv-cache-memory-gb", type=float, help="memory for the KV cache")
@@ -52,20 +83,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
     p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
-    topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
-    topo.add_argument("--aggregated", action="store_true",
-                      help="one engine process does prefill and decode (no KV transfer)")
-    topo.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers")
-    topo.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers")
-    topo.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"], default="shm",
-                      help="how KV moves from prefill to decode workers")
-    topo.add_argument("--local-prefill-tokens", type=int, default=16,
-                      help="a decode worker prefills a prompt itself when at most this many "
-                           "of its tokens are not in its prefix cache")
-    topo.add_argument("--kv-transfer-timeout", type=float, default=120.0,
-                      help="seconds a decode worker keeps blocks reserved for KV to arrive")
-    topo.add_argument("--router-policy", choices=sorted(POLICIES), default="cache_aware",
-                      help="how the prefill and the decode worker of a request are chosen")
     tiers = p.add_argument_group("KV tiers below each worker's KV cache")
     tiers.add_argument("--kv-tiers", type=_tier_list, default="host,file",
                        help="which tiers: 'host', 'file', 'host,file' (default) or 'none'")
@@ -77,7 +94,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="most bytes of KV files; least recently used go first")
     tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6), default=72.0,
                        help="a KV file unused this long is removed")
-    return p  # fmt: skip
+    # fmt: skip
 
 
 def _tier_list(text: str) -> frozenset[str]:
@@ -161,6 +178,7 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         local_prefill_tokens=args.local_prefill_tokens,
         transfer_timeout_s=args.kv_transfer_timeout,
         policy=args.router_policy,
+        redis_url=args.redis or "",
     )
 
 

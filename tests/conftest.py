@@ -66,3 +66,61 @@ def smollm2(default_gguf_path: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(default_gguf_path: Path) -> Tokenizer:
     return load_tokenizer("default")
+
+
+class RedisServer:
+    """A real ``redis-server`` on a free loopback port, without persistence; ``stop`` and
+    ``start`` again (same port, empty) play an outage."""
+
+    def __init__(self, workdir: Path) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.workdir = workdir
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A running ``redis-server`` (installed by ``setup.sh --test``)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed: setup.sh --test installs it")
+        pytest.skip("redis-server is not installed (setup.sh --test installs it)")
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

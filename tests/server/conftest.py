@@ -85,17 +85,14 @@ def _wait_healthy(base_url: str) -> None:
 
 
 @contextlib.contextmanager
-def run_server(log_path: Path, *flags: str) -> Iterator[Server]:
-    """``ferry serve --port 0 --api-key ... <flags>`` until the block exits."""
+def _process(command: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """Run ``command`` (output to ``log_path``) until the block exits, then stop it."""
     env = {**os.environ, "FERRY_DEBUG_INTEGRITY": "1"}
     env.pop("FERRY_API_KEY", None)
-    command = [*_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
-        model, base_url = _wait_ready(proc, log_path)
-        _wait_healthy(base_url)
-        yield Server(base_url, model, API_KEY, log_path, proc)
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -103,6 +100,34 @@ def run_server(log_path: Path, *flags: str) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def run_server(log_path: Path, *flags: str, healthy: bool = True) -> Iterator[Server]:
+    """``ferry serve --port 0 --api-key ... <flags>`` until the block exits; ``healthy``:
+    wait for /health to say 200 (not with workers still to join)."""
+    command = [*_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
+    with _process(command, log_path) as proc:
+        model, base_url = _wait_ready(proc, log_path)
+        if healthy:
+            _wait_healthy(base_url)
+        yield Server(base_url, model, API_KEY, log_path, proc)
+
+
+_WORKER_READY = re.compile(r"^ferry: (\w+) worker (\S+) listening on (\S+)$", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def run_worker(log_path: Path, *flags: str) -> Iterator[subprocess.Popen]:
+    """``ferry worker --api-key ... <flags>`` until the block exits (SIGTERM: it drains)."""
+    command = [*_ferry_command(), "worker", "--api-key", API_KEY, *flags]
+    with _process(command, log_path) as proc:
+        deadline = time.monotonic() + 30
+        while not _WORKER_READY.search(log_path.read_text(errors="replace")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ferry worker did not start:\n{log_path.read_text()}")
+            time.sleep(0.1)
+        yield proc
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,10 @@ def test_api_key_from_flag_or_environment(monkeypatch):
     assert serve.server_config(parse()).api_key is None
 
 
-MINIMAL_ARGS = {"bench": ["--url", "http://127.0.0.1:1", "--out", "x.json", "--concurrency", "1"]}
+MINIMAL_ARGS = {
+    "bench": ["--url", "http://127.0.0.1:1", "--out", "x.json", "--concurrency", "1"],
+    "worker": ["--role", "decode"],
+}
 
 
 def test_every_registered_subcommand_parses():

@@ -28,7 +28,7 @@ def test_topology_flags():
 
 def test_bad_topology_is_refused():
     with pytest.raises(ValueError):
-        serve.pd_config(parse("--decode", "0"))
+        serve.pd_config(parse("--decode", "-1"))
     with pytest.raises(SystemExit):
         parse("--kv-transport", "pigeon")
 

@@ -1,0 +1,115 @@
+"""``ferry worker``: one prefill or decode worker, started on its own, that joins frontends.
+
+The worker binds its channel (``--listen``, a ZMQ address frontends can reach), loads
+the model, and announces itself: to each ``--frontend`` URL (``POST /internal/workers``,
+retried until it is accepted) and, with ``--redis``, in the worker registry there, where
+every frontend on that Redis finds it (``router.registry``). Frontends then connect and
+route requests to it like to the workers they started themselves. SIGTERM or SIGINT
+drains it: it tells its frontends to send nothing new, finishes what it has, and exits.
+Workers exchange KV directly, so every worker of a deployment uses the same
+``--kv-transport`` (``shm`` only on one host; ``tcp`` across hosts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from engine import envs
+from server import serve
+
+log = logging.getLogger("ferry.worker")
+
+_ANNOUNCE_RETRY_S = 1.0
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("worker", help="run a prefill or decode worker that joins frontends")
+    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p.add_argument("--listen", default="tcp://127.0.0.1:0",
+                   help="ZMQ address to bind for frontends; port 0 picks a free one")
+    p.add_argument("--name", help="unique worker name (default: <role>-<host>-<pid>)")
+    p.add_argument("--frontend", action="append", default=[], metavar="URL",
+                   help="a ferry serve to join (repeatable)")
+    p.add_argument("--redis", metavar="URL",
+                   help="register in this Redis and publish KV events there")
+    p.add_argument("--api-key", help=f"the frontends' API key (or ${envs.API_KEY.name})")
+    p.add_argument("--kv-host", default="127.0.0.1",
+                   help="decode workers: address the KV receiver binds")
+    serve.add_engine_flags(p)
+    serve.add_transfer_flags(p)
+    return p  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.ipc import WorkerChannel
+
+    logging.basicConfig(level=(args.log_level or envs.LOG_LEVEL.get()).upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if not args.frontend and not args.redis:
+        log.warning("no --frontend and no --redis: no frontend will find this worker")
+    config = serve.engine_config(args)
+    name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    channel = WorkerChannel(args.listen)
+    drain = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: drain.set())
+    announcement = {"name": name, "role": args.role, "address": channel.address}
+    key = args.api_key or envs.API_KEY.get()
+    for url in args.frontend:
+        threading.Thread(target=announce, args=(url, announcement, key, drain),
+                         daemon=True).start()  # fmt: skip
+    registry = None
+    if args.redis:
+        from router.registry import WorkerRegistration
+
+        registry = WorkerRegistration(args.redis, announcement, drain)
+        registry.start()
+    print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
+    worker_args = argparse.Namespace(
+        transport=args.kv_transport, transfer_timeout=args.kv_transfer_timeout,
+        local_prefill_tokens=args.local_prefill_tokens, kv_host=args.kv_host,
+        exit_with_parent=False, drain=drain,
+        events=registry.publish if registry is not None else None,
+    )  # fmt: skip
+    if args.role == "prefill":
+        from prefill.worker import serve as serve_worker
+    else:
+        from decode.worker import serve as serve_worker
+    try:
+        serve_worker(config, channel, worker_args)
+    finally:
+        if registry is not None:
+            registry.stop()
+        channel.close()
+    return 0
+
+
+def announce(url: str, announcement: dict, api_key: str | None, stop: threading.Event) -> None:
+    """POST the worker to a frontend until it accepts (it may not be up yet)."""
+    request = urllib.request.Request(
+        url.rstrip("/") + "/internal/workers", json.dumps(announcement).encode(),
+        {"Content-Type": "application/json",
+         **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+    )  # fmt: skip
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                log.info("joined %s (%s)", url, response.status)
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                log.error("%s refused this worker: %s", url, exc.read().decode(errors="replace"))
+                return
+        except OSError:
+            pass  # not up yet
+        time.sleep(_ANNOUNCE_RETRY_S)
