@@ -103,19 +103,26 @@ def add_worker_args(parser) -> None:
 
 
 def run_worker_main(args, serve, config) -> None:
-    """What a worker module's ``main`` does: bind the channel, register on Redis when
-    asked to, serve until shut down."""
+    """What a worker module's ``main`` does: bind the channel, serve until shut down."""
     channel = WorkerChannel(args.listen)
-    registration = None
-    if args.redis:
-        import threading
+    run_on_channel(serve, config, channel, args, args.redis, args.name, args.role)
 
+
+def run_on_channel(serve, config, channel, args, redis_url, name, role, drain=None) -> None:
+    """Serve a worker on ``channel`` (``serve(config, channel, args)``), registered on
+    Redis as ``name`` when ``redis_url`` is given (its KV events go there too); ``drain``:
+    an event that, once set, makes the worker finish what it has and return."""
+    import threading
+
+    drain = drain or threading.Event()
+    registration = None
+    if redis_url:
         from router.registry import WorkerRegistration
 
-        announcement = {"name": args.name, "role": args.role, "address": channel.address}
-        registration = WorkerRegistration(args.redis, announcement, threading.Event())
+        announcement = {"name": name, "role": role, "address": channel.address}
+        registration = WorkerRegistration(redis_url, announcement, drain)
         registration.start()
-    args.drain, args.events = None, registration.publish if registration else None
+    args.drain, args.events = drain, registration.publish if registration else None
     try:
         serve(config, channel, args)
     finally:

@@ -51,7 +51,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.ipc import WorkerChannel
+    from engine.ipc import WorkerChannel, run_on_channel
 
     logging.basicConfig(level=(args.log_level or envs.LOG_LEVEL.get()).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
@@ -68,29 +68,18 @@ def run(args: argparse.Namespace) -> int:
     for url in args.frontend:
         threading.Thread(target=announce, args=(url, announcement, key, drain),
                          daemon=True).start()  # fmt: skip
-    registry = None
-    if args.redis:
-        from router.registry import WorkerRegistration
-
-        registry = WorkerRegistration(args.redis, announcement, drain)
-        registry.start()
     print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
     worker_args = argparse.Namespace(
         transport=args.kv_transport, transfer_timeout=args.kv_transfer_timeout,
         local_prefill_tokens=args.local_prefill_tokens, kv_host=args.kv_host,
-        exit_with_parent=False, drain=drain,
-        events=registry.publish if registry is not None else None,
+        exit_with_parent=False,
     )  # fmt: skip
     if args.role == "prefill":
         from prefill.worker import serve as serve_worker
     else:
         from decode.worker import serve as serve_worker
-    try:
-        serve_worker(config, channel, worker_args)
-    finally:
-        if registry is not None:
-            registry.stop()
-        channel.close()
+    run_on_channel(serve_worker, config, channel, worker_args, args.redis, name, args.role,
+                   drain)  # fmt: skip
     return 0
 
 
