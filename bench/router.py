@@ -405,6 +405,25 @@ def tcp_sockets(pid: int) -> list[dict[str, Any]]:
     return found
 
 
+def _cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by ``pid`` (``frontend``) and its
+    descendants, summed by their module (``engine.core``, ``decode.worker``, ...)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for p in _process_tree(pid):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        module = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == b"-m"]
+        name = "frontend" if p == pid else (module[0].decode() if module else str(p))
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _addr(address: tuple) -> str:
     return f"{address[0]}:{address[1]}"
 
@@ -447,8 +466,8 @@ async def _first_token(client, url: str, body: dict) -> tuple[float, dict]:
 
 
 async def _overhead_pairs(
-    url: str, core, messages: list[dict], prompt: list[int], args
-) -> dict[str, list]:
+    url: str, server_pid: int, core, messages: list[dict], prompt: list[int], args
+) -> dict[str, Any]:
     """Alternate: one request over HTTP, then the same prompt stepped in-process. Then one
     more request, during which the TCP sockets of this process and its descendants (the
     client, the server and its workers) are looked at."""
@@ -464,9 +483,11 @@ async def _overhead_pairs(
                      concurrency=1, extra_body={"temperature": 0})  # fmt: skip
     body = request_body(cfg, messages, args.overhead_tokens, {})
     sampling = SamplingParams(temperature=0, max_tokens=args.overhead_tokens, ignore_eos=True)
-    out: dict[str, list] = {"http": [], "engine": [], "prompt_tokens": [], "cached_tokens": []}
+    out: dict[str, Any] = {"http": [], "engine": [], "prompt_tokens": [], "cached_tokens": []}
     async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
         for i in range(args.overhead_warmup + args.overhead_repeats):
+            if i == args.overhead_warmup:
+                cpu = _cpu_s(server_pid)
             ttft, usage = await _first_token(client, cfg.chat_url, body)
             first = None
             start = time.perf_counter()
@@ -482,6 +503,8 @@ async def _overhead_pairs(
                 out["prompt_tokens"].append(usage.get("prompt_tokens"))
                 details = usage.get("prompt_tokens_details") or {}
                 out["cached_tokens"].append(details.get("cached_tokens") or 0)
+        n = args.overhead_repeats
+        out["cpu_ms"] = {k: (v - cpu.get(k, 0.0)) * 1e3 / n for k, v in _cpu_s(server_pid).items()}
         async with client.stream("POST", cfg.chat_url, json=body) as resp:
             out["sockets"] = tcp_sockets(os.getpid())
             await resp.aread()
@@ -550,7 +573,7 @@ def _overhead(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
         proc, url = serve([*flags, "--kv-dir", kv_dir], tmp / f"{tag}-{topo}.log")
         try:
             moved = _move_kv(url, 3, args.seed) if "--kv-transport" in flags else None
-            pairs = asyncio.run(_overhead_pairs(url, core, messages, prompt, args))
+            pairs = asyncio.run(_overhead_pairs(url, proc.pid, core, messages, prompt, args))
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -566,6 +589,8 @@ def _overhead(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
             "engine_ttft_ms": engine,
             "added_ms_p50": http["p50"] - engine["p50"],
             "added_ms_paired_p50": percentile(paired, 50),
+            # the server's own work per request (CPU clock ticks over the measured requests)
+            "server_cpu_ms_per_request": pairs["cpu_ms"],
             "tcp_nodelay": _nodelay_report(pairs["sockets"]),
         }
         if moved is not None:
