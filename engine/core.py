@@ -15,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch
@@ -39,6 +40,7 @@ from engine.messages import (
     decode_input,
     encode,
 )
+from engine.plan import StepPlan
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -87,6 +89,9 @@ class EngineCore:
         self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len)
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
+        overlap = config.overlap_scheduling
+        self.overlap = torch.device(config.device).type == "cuda" if overlap is None else overlap
+        self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             sched = self.config.scheduler
             self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
@@ -158,19 +163,54 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.grammars)
+        return self.scheduler.has_work or bool(self.grammars) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        if self.grammars and not self.scheduler.has_work:
+        """One engine step: plan, run, fold the sampled tokens back.
+
+        With overlap scheduling the device never waits for the host between steps: a
+        step whose requests can all go on before their tokens are known (no grammar, no
+        penalty or min_tokens that reads the outputs, not prefill-only) is left running,
+        and the next ``step`` plans and launches its successor — whose input tokens come
+        from that step's output on the device — before it collects it. A request that
+        the collected token ends has then run one step too many; that step's token is
+        dropped.
+        """
+        if self.grammars and not self.scheduler.has_work and self._inflight is None:
             self.grammars.wait(_GRAMMAR_POLL_S)
         ready, failed = self.grammars.take_ready()
         for req in ready:
             self.scheduler.add(req)
-        if not self.scheduler.has_work:
-            return failed
-        plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
-        return failed + self.scheduler.update(plan, result)
+        outputs = failed
+        previous, self._inflight = self._inflight, None
+        launched = None
+        if self.scheduler.has_work:
+            plan = self.scheduler.schedule()
+            launched = (plan, self.runner.launch(plan))
+        if previous is not None:
+            outputs += self.scheduler.update(previous[0], self.runner.finish(previous[1]))
+        if launched is not None:
+            if self.overlap and self._can_run_on(launched[0]):
+                self.scheduler.assume_sampled(launched[0])
+                self._inflight = launched
+            else:
+                plan, pending = launched
+                outputs += self.scheduler.update(plan, self.runner.finish(pending))
+        return outputs
+
+    def _can_run_on(self, plan: StepPlan) -> bool:
+        """Whether the next step can be planned before ``plan``'s tokens are known."""
+        if getattr(self.scheduler, "prefill_only", None):
+            return False  # a prefill worker ships its blocks as soon as a request ends
+        for chunk in plan.chunks:
+            req = self.scheduler.requests.get(chunk.request_id)
+            if req is None:
+                continue
+            sp = req.sampling
+            if (req.grammar is not None or sp.min_tokens or sp.presence_penalty
+                    or sp.frequency_penalty or sp.repetition_penalty != 1.0):  # fmt: skip
+                return False
+        return True
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -82,6 +82,8 @@ class DecodeGraphs:
         self.sizes = batch_buckets(max_batch, buckets)
         self._buckets = {b: self._allocate(b) for b in self.sizes}
         self.captured = False
+        # fills in tokens sampled by a step still running (ModelRunner.resolve_inputs)
+        self.resolve_inputs = None
         if capture:
             self._capture()
 
@@ -150,6 +152,8 @@ class DecodeGraphs:
         host64[2, n:] = NULL_SLOT
         _copy_in(bucket.int64, host64)
         _copy_in(bucket.int32, host32)
+        if self.resolve_inputs is not None:
+            self.resolve_inputs(bucket.int64[0], host64[0], [c.request_id for c in chunks])
 
     # -- the forward and its capture ------------------------------------------------------
 

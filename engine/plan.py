@@ -51,6 +51,9 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # the runner drops their state
     preempted_ids: list[str] = field(default_factory=list)
+    # (block, hash) published for this step, whose content it computes: written through to
+    # the KV tiers once it has run
+    computing: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,8 @@ from engine.kv_cache.block_pool import Block
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import ROOT_HASH, BlockHash, block_hash
 
+UNRESOLVED = -1  # an output token sampled by a step that is still running (overlap)
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -43,6 +45,8 @@ class Request:
     stop_token_id: int | None = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     grammar: Any = None  # compiled grammar (engine.structured), set before it is scheduled
+    # trailing output tokens that are UNRESOLVED: their step is still running
+    num_unresolved: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -61,6 +65,15 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def num_resolved_outputs(self) -> int:
+        return len(self.output_token_ids) - self.num_unresolved
+
+    def resolve(self, token: int) -> None:
+        """The oldest unresolved output token is ``token``."""
+        self.output_token_ids[len(self.output_token_ids) - self.num_unresolved] = token
+        self.num_unresolved -= 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
@@ -74,7 +87,9 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     def full_block_hashes(self, block_size: int, num_tokens: int) -> list[BlockHash]:
-        """Hashes of the full blocks among the first ``num_tokens`` tokens (memoised)."""
+        """Hashes of the full blocks among the first ``num_tokens`` tokens (memoised); a
+        block holding an unresolved token has none yet."""
+        num_tokens = min(num_tokens, self.num_tokens - self.num_unresolved)
         while (len(self.block_hashes) + 1) * block_size <= num_tokens:
             start = len(self.block_hashes) * block_size
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH

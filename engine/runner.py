@@ -23,6 +23,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardCo
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.models.base import CausalLM
 from engine.plan import NewRequest, StepPlan, StepResult
+from engine.request import UNRESOLVED
 from engine.sampler import SampledTokens, Sampler, SamplingRow
 from engine.structured import GrammarState, build_mask
 
@@ -80,20 +81,46 @@ class ModelRunner:
         self.graphs = DecodeGraphs(
             self.model, self.backend, self.block_size, max_batch, max_seq_len, buckets, capture
         )
+        self.graphs.resolve_inputs = self.resolve_inputs
         return self.graphs
 
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
+        """Queue the plan's forward and sampling on the device; ``finish`` waits for the
+        tokens. An UNRESOLVED input token is the one the previous launch sampled for its
+        request: it goes from that step's output to this step's input on the device."""
         self._sync_states(plan)
         if plan.is_empty:
-            return StepResult({})
+            return None
         sampled = self.sample(plan)
-        if sampled is None:
+        if sampled is not None:
+            sample_ids, tokens = sampled
+            self._last = ({rid: i for i, rid in enumerate(sample_ids)}, tokens.tokens)
+        return sampled
+
+    def finish(self, launched: tuple[list[str], SampledTokens] | None) -> StepResult:
+        if launched is None:
             return StepResult({})
-        sample_ids, tokens = sampled
+        sample_ids, tokens = launched
         out = tokens.to_host()  # the step's one device-to-host copy: waits for the step
         ended = self._advance(sample_ids, out.token_ids)
         logprobs = {rid: lp for rid, lp in zip(sample_ids, out.logprobs) if lp is not None}
         return StepResult(dict(zip(sample_ids, out.token_ids)), logprobs, ended)
+
+    def resolve_inputs(self, ids: torch.Tensor, host_ids: np.ndarray, owners: list[str]) -> None:
+        """Replace, in the device tensor ``ids`` (a copy of ``host_ids``), every
+        UNRESOLVED token by the token the previous launch sampled for its owner
+        (``owners[i]``: the request of ``host_ids[i]``)."""
+        where = np.flatnonzero(host_ids[: len(owners)] == UNRESOLVED)
+        if not len(where):
+            return
+        rows, previous = self._last
+        index = np.array([rows[owners[i]] for i in where], dtype=np.int64)
+        ids[_to_device(where.astype(np.int64), self.device)] = previous[
+            _to_device(index, self.device)
+        ]
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
         """Run the plan's forward and sampling; returns the sampled requests and their
@@ -130,7 +157,9 @@ class ModelRunner:
         """Record each sampled token; returns the requests whose grammar it completed."""
         ended = set()
         for rid, token in zip(request_ids, tokens):
-            state = self.states[rid]
+            state = self.states.get(rid)
+            if state is None:  # it ended while this step ran (overlap): the token is moot
+                continue
             state.output_token_ids.append(token)
             if state.grammar is None:
                 continue
@@ -179,8 +208,12 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
         )
         input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
+        device_ids = _to_device(input_ids, dev)
+        if (input_ids == UNRESOLVED).any():
+            owners = [c.request_id for c in chunks for _ in range(c.num_tokens)]
+            self.resolve_inputs(device_ids, input_ids, owners)
         return StepInputs(
-            input_ids=_to_device(input_ids, dev),
+            input_ids=device_ids,
             positions=_to_device(positions.astype(np.int64), dev),
             meta=meta,
             sample_rows=_to_device(cu[1:][sampled].astype(np.int64) - 1, dev),

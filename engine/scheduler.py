@@ -17,7 +17,7 @@ from engine.config import SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager, PrefixMatch
 from engine.messages import EngineStats, RequestOutput
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
-from engine.request import Request, Status
+from engine.request import UNRESOLVED, Request, Status
 
 
 class Scheduler:
@@ -59,7 +59,7 @@ class Scheduler:
         budget = self._schedule_running(budget, chunks, preempted)
         new_requests = [] if preempted else self._schedule_waiting(budget, chunks)
         finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(chunks, new_requests, finished, preempted)
+        return StepPlan(chunks, new_requests, finished, preempted, self.kv.take_computing())
 
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
@@ -67,6 +67,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_unresolved and self._length_reached(req, req.num_tokens):
+                i += 1  # the step in flight gives it its last token
+                continue
             n = min(req.num_pending_tokens, budget)
             while not self.kv.can_allocate(req, n):
                 victim = self.running[-1]
@@ -131,18 +134,38 @@ class Scheduler:
 
     # -- folding results back ----------------------------------------------------------------
 
-    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        self.kv.commit()  # the blocks this plan filled are computed now
-        outputs = []
+    def assume_sampled(self, plan: StepPlan) -> None:
+        """Let ``plan``'s step run on while the next one is planned (overlap scheduling):
+        count its tokens as computed and give each sampling request an UNRESOLVED output
+        token, which ``update`` replaces once the step's tokens are in. The next plan then
+        feeds that token to the model straight from the device."""
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue
             req.num_computed_tokens = chunk.end_pos
-            if not chunk.sample:
+            if chunk.sample:
+                req.output_token_ids.append(UNRESOLVED)
+                req.num_unresolved += 1
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        self.kv.commit(plan.computing)  # the blocks this plan filled are computed now
+        outputs = []
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None:
                 continue
-            token = result.sampled[req.request_id]
-            req.output_token_ids.append(token)
+            if chunk.sample and req.num_unresolved:  # assumed: fill in its token
+                req.resolve(result.sampled[req.request_id])
+                token = req.output_token_ids[req.num_resolved_outputs - 1]
+            else:
+                if req.status is not Status.RUNNING:
+                    continue
+                req.num_computed_tokens = chunk.end_pos
+                if not chunk.sample:
+                    continue
+                token = result.sampled[req.request_id]
+                req.output_token_ids.append(token)
             reason = "stop" if req.request_id in result.ended else self._stop_reason(req, token)
             outputs.append(
                 RequestOutput(
@@ -162,14 +185,19 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling
-        if len(req.output_token_ids) >= sp.min_tokens and (
+        if req.num_resolved_outputs >= sp.min_tokens and (
             token in sp.stop_token_ids or (not sp.ignore_eos and token in req.eos_token_ids)
         ):
             req.stop_token_id = token
             return "stop"
-        if len(req.output_token_ids) >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if self._length_reached(req, req.num_tokens - req.num_unresolved):
             return "length"
         return None
+
+    def _length_reached(self, req: Request, num_tokens: int) -> bool:
+        """Whether ``req`` is at its length limit with ``num_tokens`` tokens."""
+        num_outputs = num_tokens - req.num_prompt_tokens
+        return num_outputs >= req.sampling.max_tokens or num_tokens >= self.max_model_len
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:

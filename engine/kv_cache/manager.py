@@ -106,10 +106,17 @@ class KVCacheManager:
         is in place (a KV transfer landed; the worker that computed it wrote it through)."""
         self._publish_full_blocks(req, num_tokens)
 
-    def commit(self) -> None:
-        """The step that computes the blocks ``allocate`` published has run: write them
-        through to the file tier."""
-        done, self._computing = self._computing, []
+    def take_computing(self) -> list[tuple[Block, BlockHash]]:
+        """The blocks ``allocate`` published since the last call: the next step computes
+        them (pass them to ``commit`` once it has run)."""
+        blocks, self._computing = self._computing, []
+        return blocks
+
+    def commit(self, done: list[tuple[Block, BlockHash]] | None = None) -> None:
+        """The step that computes ``done`` (default: every block ``allocate`` published
+        since the last ``take_computing``) has run: write them through to the file tier."""
+        if done is None:
+            done = self.take_computing()
         if self.tiers is not None and done:
             self.tiers.write_through([(b.block_id, h) for b, h in done if b.block_hash == h])
 
