@@ -165,7 +165,10 @@ class DecodeWorker:
         return msgs
 
     def heartbeat(self) -> DecodeOutputs:
-        return DecodeOutputs([], self.sched.stats(), self.sched.num_transferring, [],
+        """Stats for frontends while idle, with the KV events that came in meanwhile (the
+        KV tiers' writer finishes files after the last step)."""
+        events = from_block_events(self.core.kv.pool.drain_events())
+        return DecodeOutputs([], self.sched.stats(), self.sched.num_transferring, events,
                              self.draining)  # fmt: skip
 
     def close(self) -> None:
@@ -207,7 +210,10 @@ def _loop(worker: DecodeWorker, channel: WorkerChannel, args) -> None:
                 return
             worker.expire()
             if not worker.outputs and not worker._touched:
-                channel.broadcast(encode(worker.heartbeat()))
+                beat = worker.heartbeat()
+                channel.broadcast(encode(beat))
+                if publish is not None and beat.events:
+                    publish(beat.events)
                 continue
         while channel.poll(0):
             got = channel.recv()

@@ -105,10 +105,11 @@ class PDScheduler(Scheduler):
     def admit_transferred(
         self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
-        """The KV of ``request_id``'s prompt has landed: run it from its first token."""
+        """The KV of ``request_id``'s prompt has landed: run it from its first token. When
+        that token already ends it, the prefill worker has not sent (all of) the KV: the
+        blocks are freed unpublished, so no prefix match can ever find what they hold."""
         req = self.incoming.pop(request_id)
-        req.num_computed_tokens = req.num_tokens  # the prompt, and a resumed one's outputs
-        self.kv.publish(req, req.num_tokens)
+        num_context = req.num_tokens  # the prompt, and a resumed request's outputs
         req.output_token_ids.append(first_token)
         reason = self._stop_reason(req, first_token)
         out = RequestOutput(
@@ -118,6 +119,8 @@ class PDScheduler(Scheduler):
         if reason is not None:
             self._finish(req, reason)
             return out
+        req.num_computed_tokens = num_context
+        self.kv.publish(req, num_context)
         req.status = Status.RUNNING
         self.running.append(req)
         self._known_to_runner.add(request_id)
@@ -170,3 +173,5 @@ class PDScheduler(Scheduler):
             for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         self.kv.pool.check_integrity(holders)
+        if self.kv.tiers is not None:
+            self.kv.tiers.check_integrity()

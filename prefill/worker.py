@@ -231,7 +231,10 @@ class PrefillWorker:
                            ship.streamed)  # fmt: skip
 
     def heartbeat(self) -> PrefillStats:
-        return PrefillStats(self.sched.stats(), self.sched.num_transferring, [],
+        """Stats for frontends while idle, with the KV events that came in meanwhile (the
+        KV tiers' writer finishes files after the last step)."""
+        events = from_block_events(self.core.kv.pool.drain_events())
+        return PrefillStats(self.sched.stats(), self.sched.num_transferring, events,
                             self.tokens_per_s, self.draining)  # fmt: skip
 
     def drain(self) -> list[msgspec.Struct]:
@@ -283,7 +286,10 @@ def _loop(worker: PrefillWorker, channel: WorkerChannel, args) -> None:
             if orphaned():
                 return
             if not worker.sending:
-                channel.broadcast(encode(worker.heartbeat()))
+                beat = worker.heartbeat()
+                channel.broadcast(encode(beat))
+                if publish is not None and beat.events:
+                    publish(beat.events)
                 continue
         while channel.poll(0):
             got = channel.recv()

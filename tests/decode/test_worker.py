@@ -14,6 +14,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.pd_scheduler import PDScheduler
 from engine.sampling_params import SamplingParams
+from kvstore.hashing import hash_chain
 from prefill.messages import AbortPrefill, PrefillDone, PrefillFailed, PrefillRequest
 from prefill.worker import PrefillWorker
 
@@ -43,7 +44,11 @@ def wanted(d) -> KVWanted:
 
 
 def run_prefill(p: PrefillWorker, want: KVWanted) -> PrefillDone | PrefillFailed:
-    p.handle(PrefillRequest(want.request_id, PROMPT, GREEDY, want.dest))
+    return run_prefill_with(p, want, GREEDY)
+
+
+def run_prefill_with(p: PrefillWorker, want: KVWanted, sampling) -> PrefillDone | PrefillFailed:
+    p.handle(PrefillRequest(want.request_id, PROMPT, sampling, want.dest))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         p.step()
@@ -254,3 +259,17 @@ def test_blocks_being_sent_stay_pinned_when_the_prefill_is_aborted_mid_send():
         gate.set()
         d.close()
         p.close()
+
+
+def test_a_request_ended_by_its_first_token_leaves_no_unsent_kv_in_the_cache(decode, prefill):
+    """max_tokens=1: the prefill worker sends no KV, so the decode worker must not publish
+    the blocks it reserved (a later prompt would read garbage from them)."""
+    one = SamplingParams(temperature=0, max_tokens=1)
+    decode.handle(DecodeRequest("r", PROMPT, one))
+    want = wanted(decode)
+    done = run_prefill_with(prefill, want, one)
+    decode.handle(KVReady("r", done.first_token, done.logprob, done.num_cached_tokens))
+    outs = [o for m in decode.step() for o in getattr(m, "outputs", [])]
+    assert [o.finish_reason for o in outs] == ["length"]
+    assert decode.core.kv.pool.lookup(hash_chain(PROMPT, 4, decode.core.hash_extra)) == []
+    clean(decode)
