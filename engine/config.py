@@ -149,8 +149,8 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs, every step runs eagerly
-    # plan step N+1 while step N runs (engine.core); None: on CUDA only, where it pays
-    overlap_scheduling: bool | None = None
+    # plan step N+1 while step N runs (engine.core); off until measured to pay on the GPU
+    overlap_scheduling: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

@@ -98,6 +98,7 @@ class ModelRunner:
         if sampled is not None:
             sample_ids, tokens = sampled
             self._last = ({rid: i for i, rid in enumerate(sample_ids)}, tokens.tokens)
+            tokens.start_copy()
         return sampled
 
     def finish(self, launched: tuple[list[str], SampledTokens] | None) -> StepResult:

@@ -43,6 +43,7 @@ the same tokens alone or in any batch, at any row position. (An exponential race
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,12 +102,40 @@ class SampledTokens:
 
     tokens: torch.Tensor  # [N] int64
     logprobs: _DeviceLogprobs | None = None
+    _host: tuple[torch.Tensor, _DeviceLogprobs | None] | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Queue the copy to the host right behind this step's work (on CUDA), so that
+        ``to_host`` waits for this step only, not for a next step queued after it."""
+        if not self.tokens.is_cuda:
+            return
+        lp = self.logprobs
+        if lp is not None:
+            lp = dataclasses.replace(
+                lp, chosen=_pinned_copy(lp.chosen), picked=_pinned_copy(lp.picked),
+                top_values=None if lp.top_values is None else _pinned_copy(lp.top_values),
+                top_ids=None if lp.top_ids is None else _pinned_copy(lp.top_ids),
+            )  # fmt: skip
+        self._host = (_pinned_copy(self.tokens), lp)
+        self._ready = torch.cuda.Event()
+        self._ready.record()
 
     def to_host(self) -> SamplerOutput:
-        token_ids = self.tokens.tolist()
-        if self.logprobs is None:
+        tokens, logprobs = self.tokens, self.logprobs
+        if self._host is not None:
+            self._ready.synchronize()
+            tokens, logprobs = self._host
+        token_ids = tokens.tolist()
+        if logprobs is None:
             return SamplerOutput(token_ids, [None] * len(token_ids))
-        return SamplerOutput(token_ids, self.logprobs.to_host(len(token_ids)))
+        return SamplerOutput(token_ids, logprobs.to_host(len(token_ids)))
+
+
+def _pinned_copy(device: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
+    host.copy_(device, non_blocking=True)
+    return host
 
 
 class Sampler:

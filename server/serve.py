@@ -78,6 +78,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", help="cpu or cuda[:i]")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--overlap-scheduling", action="store_true", default=None,
+                   help="plan each step while the previous one runs (GPU)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: no decode CUDA graphs, run every step eagerly")  # fmt: skip
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
@@ -160,7 +162,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
     top = _given(
         args, seed="seed", num_threads="threads", device="device", dtype="dtype",
-        enforce_eager="enforce_eager",
+        enforce_eager="enforce_eager", overlap_scheduling="overlap_scheduling",
     )  # fmt: skip
     return EngineConfig(
         model=args.model, cache=cache, scheduler=scheduler, structured=structured, **top

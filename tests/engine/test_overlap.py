@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
@@ -96,3 +97,17 @@ def test_aborting_a_request_while_its_step_runs_frees_everything():
     assert seen["r0"] == seen["r3"] == 50
     core.check_integrity()
     assert core.kv.pool.num_free == core.kv.pool.num_usable
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlapped_decode_on_cuda_gives_the_same_tokens_with_graphs():
+    """On the GPU the next step's input token goes from the running step's output to the
+    graph's input buffer on the device, and the tokens come back behind their own step."""
+    base = EngineConfig(model="dummy:tiny", device="cuda", dtype="bfloat16",
+                        cache=CacheConfig(num_blocks=256, block_size=16))  # fmt: skip
+    sampling = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    batch = [[3 + i, 5, 7, 11, 13, 17 + i] * (i + 1) for i in range(6)]
+    plain = LLM(base).generate(batch, sampling)
+    overlapped = LLM(base.replace(overlap_scheduling=True))
+    same(plain, overlapped.generate(batch, sampling))
+    overlapped.core.check_integrity()

@@ -1,0 +1,95 @@
+"""Overlap scheduling on vs off: decode time per step of the same engine, same requests.
+
+``python -m bench.overlap --out bench/results/overlap_h200.json`` (CUDA). For each batch
+size, one ``EngineCore`` (dummy model at a real shape, CUDA graphs) runs the same greedy
+requests with ``core.overlap`` off and on, in turns; it checks that both give the same
+tokens, then reports the median decode step time of each and their ratio (one run, so
+machine noise hits both alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import machine_info
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.messages import EngineRequest
+from engine.sampling_params import SamplingParams
+
+
+def run_once(core: EngineCore, prompts: list[list[int]], steps: int, tag: str):
+    """Tokens per request, and the wall time of each step once every prompt is in."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(EngineRequest(f"{tag}-{i}", p, params))
+    tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
+    times = []
+    while core.has_work:
+        decoding = all(tokens.values())
+        t0 = time.perf_counter()
+        outs = core.step()
+        if decoding:
+            times.append(time.perf_counter() - t0)
+        for o in outs:
+            tokens[o.request_id] += o.new_token_ids
+    return list(tokens.values()), times[2:-2]  # drop the edges: pipeline fill and drain
+
+
+def measure(preset: str, batch: int, context: int, steps: int, rounds: int) -> dict:
+    config = EngineConfig(
+        model=f"dummy:{preset}", device="cuda", dtype="bfloat16",
+        cache=CacheConfig(block_size=128, num_blocks=batch * (-(-(context + steps) // 128)) + 4,
+                          enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=16384,
+                                  max_model_len=context + steps + 8),
+    )  # fmt: skip
+    core = EngineCore(config)
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(300, 30000, (context,), generator=g).tolist() for _ in range(batch)]
+    step_ms: dict[bool, list[float]] = {False: [], True: []}
+    outputs: dict[bool, list] = {}
+    for r in range(rounds):
+        for overlap in (False, True):
+            core.overlap = overlap
+            tokens, times = run_once(core, prompts, steps, f"{int(overlap)}{r}")
+            outputs.setdefault(overlap, tokens)
+            assert tokens == outputs[overlap], "greedy tokens changed between rounds"
+            step_ms[overlap] += [t * 1e3 for t in times]
+    same = outputs[False] == outputs[True]
+    off, on = (statistics.median(step_ms[m]) for m in (False, True))
+    del core
+    torch.cuda.empty_cache()
+    return {"preset": preset, "batch": batch, "context": context, "steps": steps,
+            "same_tokens": same, "step_ms_off": off, "step_ms_on": on,
+            "speedup": off / on}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="llama3-8b")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    points = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        points.append(measure(args.preset, batch, args.context, args.steps, args.rounds))
+        p = points[-1]
+        print(f"batch {batch:4d}: off {p['step_ms_off']:.3f} ms  on {p['step_ms_on']:.3f} ms  "
+              f"x{p['speedup']:.3f}  same tokens: {p['same_tokens']}", flush=True)
+    report = {"machine": machine_info(), "commit": args.commit, "points": points}
+    args.out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
