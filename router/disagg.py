@@ -304,10 +304,7 @@ class DisaggClient:
         decode = [w for w in self.decode if w.alive and not w.draining and w is not exclude]
         if not decode or not any(w.alive for w in self.prefill):
             raise EngineDeadError("no live prefill/decode engine workers")
-        return self._choose("decode", decode, hashes, num_tokens)[0]
-
-    def _choose(self, role, workers, hashes, num_tokens) -> tuple[WorkerProcess, int]:
-        return self.router.choose(role, workers, hashes, num_tokens)
+        return self.router.choose("decode", decode, hashes, num_tokens)[0]
 
     def _dispatch(self, route: _Route) -> None:
         """Send the route's current attempt to its decode worker."""
@@ -396,7 +393,7 @@ class DisaggClient:
                         dm.encode)  # fmt: skip
             return
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        prefill, hit = self._choose("prefill", live, hashes, num_tokens)
+        prefill, hit = self.router.choose("prefill", live, hashes, num_tokens)
         queued = max(0, num_tokens - hit)
         prefill.inflight += 1
         prefill.queued_tokens += queued

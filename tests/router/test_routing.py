@@ -37,14 +37,14 @@ async def run(client, rid: str, prompt: list[int], max_tokens: int = 8) -> tuple
 def record_choices(client: DisaggClient) -> Counter:
     """Count the workers the client's policies choose."""
     chosen: Counter = Counter()
-    choose = client._choose
+    choose = client.router.choose
 
     def recording(*args, **kwargs):
         worker, hit = choose(*args, **kwargs)
         chosen[worker.name] += 1
         return worker, hit
 
-    client._choose = recording
+    client.router.choose = recording
     return chosen
 
 
