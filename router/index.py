@@ -30,6 +30,10 @@ class PrefixIndex:
     ) -> None:
         self._holders: dict[BlockHash, dict[str, int]] = {}  # hash -> holder -> tier bits
         self._held: dict[str, set[BlockHash]] = {}  # holder -> hashes
+        # for lookups: one bit per holder (the shared tier's is bit 0), and per block the
+        # bits of its holders, so that a lookup is one AND per block
+        self._bits: dict[str, int] = {_SHARED: 1}
+        self._masks: dict[BlockHash, int] = {}
         self._shared_seen: dict[BlockHash, float] = {}  # shared block -> when stored
         self.shared_ttl_s = shared_ttl_s
         self.clock = clock
@@ -49,15 +53,19 @@ class PrefixIndex:
 
     def remove_worker(self, worker: str) -> None:
         """Forget everything ``worker`` holds (it died or left; its cache is gone)."""
+        bit = self._bits.pop(worker, 0)
         for h in self._held.pop(worker, ()):
             holders = self._holders[h]
             del holders[worker]
+            self._masks[h] &= ~bit
             if not holders:
                 del self._holders[h]
+                del self._masks[h]
 
     def _store(self, holder: str, h: BlockHash, bit: int) -> None:
         holders = self._holders.setdefault(h, {})
         holders[holder] = holders.get(holder, 0) | bit
+        self._masks[h] = self._masks.get(h, 0) | self._bit(holder)
         self._held.setdefault(holder, set()).add(h)
         if holder == _SHARED:
             self._shared_seen[h] = self.clock()
@@ -72,10 +80,22 @@ class PrefixIndex:
             return
         del holders[holder]
         self._held[holder].discard(h)
+        self._masks[h] &= ~self._bits[holder]
         if holder == _SHARED:
             self._shared_seen.pop(h, None)
         if not holders:
             del self._holders[h]
+            del self._masks[h]
+
+    def _bit(self, holder: str) -> int:
+        bit = self._bits.get(holder)
+        if bit is None:  # the lowest bit no holder uses
+            taken = 0
+            for b in self._bits.values():
+                taken |= b
+            bit = (taken + 1) & ~taken
+            self._bits[holder] = bit
+        return bit
 
     def expire(self) -> None:
         """Drop shared-tier blocks older than the TTL (their files are gone by now)."""
@@ -92,22 +112,27 @@ class PrefixIndex:
         cache (any of its tiers, or the shared tier)."""
         self.expire()
         result = dict.fromkeys(workers, 0)
-        active = set(workers)
+        bits = [(w, self._bit(w)) for w in workers]  # one that holds nothing: shared only
+        active = 0
+        for _, bit in bits:
+            active |= bit
+        masks = self._masks
         n = 0
         for h in hashes:
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            if _SHARED not in holders:
-                dropped = [w for w in active if w not in holders]
-                for w in dropped:
-                    result[w] = n
-                    active.discard(w)
-                if not active:
-                    return result
+            mask = masks.get(h, 0)
+            if not mask & 1:  # not in the shared tier: only its holders go on
+                dropped = active & ~mask
+                if dropped:
+                    for w, bit in bits:
+                        if bit & dropped:
+                            result[w] = n
+                    active &= mask
+                    if not active:
+                        return result
             n += 1
-        for w in active:
-            result[w] = n
+        for w, bit in bits:
+            if bit & active:
+                result[w] = n
         return result
 
     def tiers(self, worker: str, h: BlockHash) -> set[str]:
