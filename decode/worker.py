@@ -199,11 +199,12 @@ def serve(config: EngineConfig, channel: WorkerChannel, args) -> None:
 def _loop(worker: DecodeWorker, channel: WorkerChannel, args) -> None:
     check = envs.DEBUG_INTEGRITY.get()
     orphaned = parent_watch(args.exit_with_parent)
-    drain, publish = getattr(args, "drain", None), getattr(args, "events", None)
+    drain = getattr(args, "drain", None)
     while True:
         worker.draining = drain is not None and drain.is_set()
         if worker.draining and not worker.busy and not worker.sched.num_transferring:
-            channel.broadcast(encode(worker.heartbeat()))
+            beat = worker.heartbeat()
+            channel.broadcast(encode(beat), beat.events)
             return
         if not worker.busy and not channel.poll(_IDLE_POLL_MS):
             if orphaned():
@@ -211,9 +212,7 @@ def _loop(worker: DecodeWorker, channel: WorkerChannel, args) -> None:
             worker.expire()
             if not worker.outputs and not worker._touched:
                 beat = worker.heartbeat()
-                channel.broadcast(encode(beat))
-                if publish is not None and beat.events:
-                    publish(beat.events)
+                channel.broadcast(encode(beat), beat.events)
                 continue
         while channel.poll(0):
             got = channel.recv()
@@ -230,8 +229,6 @@ def _loop(worker: DecodeWorker, channel: WorkerChannel, args) -> None:
                 channel.send_for(msg.request_id, encode(msg))
             else:
                 _send_outputs(channel, msg)
-                if publish is not None and msg.events:
-                    publish(msg.events)
         if not worker.busy and not worker.sched.incoming:
             channel.owners.clear()
             if check:
@@ -252,6 +249,7 @@ def _send_outputs(channel: WorkerChannel, msg: DecodeOutputs) -> None:
         part = DecodeOutputs(outputs, msg.stats, msg.num_transferring, msg.events,
                              msg.draining)  # fmt: skip
         channel.send_to(frontend, encode(part))
+    channel.publish(msg.events)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -38,6 +38,7 @@ class WorkerChannel:
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.frontends: list[bytes] = []
         self.owners: dict[str, bytes] = {}
+        self.event_sink = None  # where KV events also go (the Redis stream), if anywhere
         self._hello: bytes | None = None
 
     def ready(self, payload: bytes) -> None:
@@ -69,9 +70,15 @@ class WorkerChannel:
         if frontend is not None:
             self._send(frontend, payload)
 
-    def broadcast(self, payload: bytes) -> None:
+    def broadcast(self, payload: bytes, events: list = ()) -> None:
+        """``payload`` to every frontend; the KV ``events`` it carries also to the sink."""
         for frontend in list(self.frontends):
             self._send(frontend, payload)
+        self.publish(events)
+
+    def publish(self, events: list) -> None:
+        if events and self.event_sink is not None:
+            self.event_sink(events)
 
     def send_to(self, frontend: bytes, payload: bytes) -> None:
         self._send(frontend, payload)
@@ -122,7 +129,8 @@ def run_on_channel(serve, config, channel, args, redis_url, name, role, drain=No
         announcement = {"name": name, "role": role, "address": channel.address}
         registration = WorkerRegistration(redis_url, announcement, drain)
         registration.start()
-    args.drain, args.events = drain, registration.publish if registration else None
+    args.drain = drain
+    channel.event_sink = registration.publish if registration else None
     try:
         serve(config, channel, args)
     finally:

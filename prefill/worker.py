@@ -275,11 +275,12 @@ def serve(config: EngineConfig, channel: WorkerChannel, args) -> None:
 def _loop(worker: PrefillWorker, channel: WorkerChannel, args) -> None:
     check = envs.DEBUG_INTEGRITY.get()
     orphaned = parent_watch(args.exit_with_parent)
-    drain, publish = getattr(args, "drain", None), getattr(args, "events", None)
+    drain = getattr(args, "drain", None)
     while True:
         worker.draining = drain is not None and drain.is_set()
         if worker.draining and not worker.busy and not worker.sched.held:
-            channel.broadcast(encode(worker.heartbeat()))
+            beat = worker.heartbeat()
+            channel.broadcast(encode(beat), beat.events)
             return
         wait = _BUSY_POLL_MS if worker.sending and not worker.core.has_work else _IDLE_POLL_MS
         if not worker.core.has_work and not channel.poll(wait):
@@ -287,9 +288,7 @@ def _loop(worker: PrefillWorker, channel: WorkerChannel, args) -> None:
                 return
             if not worker.sending:
                 beat = worker.heartbeat()
-                channel.broadcast(encode(beat))
-                if publish is not None and beat.events:
-                    publish(beat.events)
+                channel.broadcast(encode(beat), beat.events)
                 continue
         while channel.poll(0):
             got = channel.recv()
@@ -304,9 +303,7 @@ def _loop(worker: PrefillWorker, channel: WorkerChannel, args) -> None:
         worker.step()
         for msg in worker.drain():
             if isinstance(msg, PrefillStats):
-                channel.broadcast(encode(msg))
-                if publish is not None and msg.events:
-                    publish(msg.events)
+                channel.broadcast(encode(msg), msg.events)
             else:
                 channel.send_for(msg.request_id, encode(msg), release=True)
         if not worker.busy:

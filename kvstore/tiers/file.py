@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kvstore.hashing import BlockHash
+from kvstore.procs import pid_alive
 from kvstore.tiers.events import TierEvents
 from kvstore.tiers.fileio import BlockIO, open_block_io
 from kvstore.tiers.format import BlockMeta, CorruptBlock, file_size, pack, unpack
@@ -326,7 +327,7 @@ class FileTier:
             old = now - entry.stat().st_mtime > _STALE_TMP_S
         except OSError:
             return
-        if old or (host == self._host and pid.isdigit() and not _alive(int(pid))):
+        if old or (host == self._host and pid.isdigit() and not pid_alive(int(pid))):
             _unlink(Path(entry.path))
 
     @staticmethod
@@ -349,16 +350,6 @@ class FileTier:
 def _unlink(path: str | Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _listdir(path: Path) -> list[str]:

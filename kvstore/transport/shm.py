@@ -20,6 +20,7 @@ import time
 import torch
 
 from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.procs import pid_alive
 from kvstore.transport.base import (
     KVEndpoint,
     KVReceiver,
@@ -32,16 +33,6 @@ from kvstore.transport.base import (
     layer_chunks,
     layout_signature,
 )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _map(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +82,7 @@ class ShmSender(KVSender):
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
         for start, end in layer_chunks(self.cache, len(src_block_ids)):
             dest[start:end].index_copy_(1, dst, self.cache.storage[start:end].index_select(1, src))
-        if not _alive(endpoint.pid):
+        if not pid_alive(endpoint.pid):
             self._drop(endpoint)
             raise TransferError(f"receiver pid {endpoint.pid} died during the transfer")
         return self._stats(len(src_block_ids), started)
@@ -100,7 +91,7 @@ class ShmSender(KVSender):
         if endpoint.backend != "shm":
             raise TransferError(f"shm sender given a {endpoint.backend} endpoint")
         check_layout(self.cache, endpoint)
-        if not _alive(endpoint.pid):
+        if not pid_alive(endpoint.pid):
             self._drop(endpoint)
             raise TransferError(f"receiver pid {endpoint.pid} is gone")
         dest = self._maps.get(endpoint.address)
