@@ -61,6 +61,14 @@ class WorkerChannel:
             self._send(frontend, self._hello)
         return None
 
+    def pending(self, decode):
+        """Every message waiting now, as (frontend, ``decode(payload)``); hellos are
+        answered on the way."""
+        while self.poll(0):
+            got = self.recv()
+            if got is not None:
+                yield got[0], decode(got[1])
+
     def claim(self, request_id: str, frontend: bytes) -> None:
         self.owners[request_id] = frontend
 

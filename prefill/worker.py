@@ -290,11 +290,7 @@ def _loop(worker: PrefillWorker, channel: WorkerChannel, args) -> None:
                 beat = worker.heartbeat()
                 channel.broadcast(encode(beat), beat.events)
                 continue
-        while channel.poll(0):
-            got = channel.recv()
-            if got is None:
-                continue
-            frontend, msg = got[0], decode_input(got[1])
+        for frontend, msg in channel.pending(decode_input):
             if isinstance(msg, Shutdown):
                 return
             if isinstance(msg, PrefillRequest):
