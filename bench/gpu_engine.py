@@ -35,11 +35,13 @@ from bench.common import machine_info
 from engine.attention import backend_for
 from engine.kv_cache.layout import KVCache
 from engine.loader import load_model
+from engine.models.llama import Linear
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from kernels.activation import silu_and_mul
+from kernels.gemv import gemv, gemv_supported
 from kernels.norm_rope_cache import fused_add_rms_norm, rotary_embedding, write_kv_cache
 from kernels.paged_decode_attention import paged_decode_attention
 
@@ -186,6 +188,34 @@ class Bench:
             out["forward_fraction_of_roofline"] = floor * 1e3 / forward_ms
         return out
 
+    def skinny_ab(self, points, repeats: int) -> list[dict]:
+        """Decode steps with the skinny GEMV kernel, then with every projection on the
+        library GEMM (graphs recaptured for it): the A/B of ``kernels.gemv`` in one run."""
+        graphs = self.runner.graphs
+        on = [self.decode(b, c, repeats) for b, c in points]
+        Linear.skinny_kernel = False
+        try:
+            if graphs is not None:
+                self.runner.capture_decode_graphs(
+                    max(b for b, _ in points), max(c for _, c in points)
+                )
+            off = [self.decode(b, c, repeats) for b, c in points]
+        finally:
+            Linear.skinny_kernel = True
+            self.runner.graphs = graphs
+        return [
+            {
+                "batch": a["batch"],
+                "context": a["context"],
+                "step_ms_skinny_gemv": a["step_ms"],
+                "step_ms_library_gemm": b["step_ms"],
+                "forward_ms_skinny_gemv": a.get("forward_gpu_ms"),
+                "forward_ms_library_gemm": b.get("forward_gpu_ms"),
+                "speedup": b["step_ms"] / a["step_ms"],
+            }
+            for a, b in zip(on, off)
+        ]
+
     def kernels(self, batch: int, context: int) -> dict:
         """Per-kernel GPU time and achieved bandwidth at one decode shape (layer 0), each
         timed as 20 calls in a CUDA graph so that launch overhead stays out."""
@@ -241,6 +271,12 @@ class Bench:
             xin = torch.randn(batch, weight.shape[1], dtype=torch.bfloat16, device="cuda")
             ms = _graph_ms(lambda w=weight, xin=xin: torch.nn.functional.linear(xin, w))
             out[f"{name}_gemm"] = {"us": ms * 1e3, "gb_s": weight.numel() * 2 / ms / 1e6}
+            if gemv_supported(xin, weight):
+                ms = _graph_ms(lambda w=weight, xin=xin: gemv(xin, w))
+                out[f"{name}_tilelang_gemv"] = {
+                    "us": ms * 1e3,
+                    "gb_s": weight.numel() * 2 / ms / 1e6,
+                }
             if batch == 1:  # the matrix-vector product torch takes for 1-D inputs
                 ms = _graph_ms(lambda w=weight, xin=xin: torch.nn.functional.linear(xin[0], w))
                 out[f"{name}_gemv"] = {"us": ms * 1e3, "gb_s": weight.numel() * 2 / ms / 1e6}
@@ -453,6 +489,8 @@ def main() -> None:
     parser.add_argument("--points", default="1x1024,8x1024,64x1024,256x1024,1x8192,8x8192,64x8192")
     parser.add_argument("--eager-points", default="1x1024,64x1024",
                         help="also timed without CUDA graphs, for comparison")  # fmt: skip
+    parser.add_argument("--skinny-ab", default="1x1024,4x1024",
+                        help="decode points timed with and without the skinny GEMV")  # fmt: skip
     parser.add_argument("--prefill", default="2048,8192")
     parser.add_argument("--hf-points", default="1x1024,64x1024")
     parser.add_argument("--engine-step", default="64x1024", help="BxL, or empty to skip")
@@ -483,6 +521,8 @@ def main() -> None:
     )
     decode = [bench.decode(b, c, args.repeats) for b, c in points]
     decode_eager = [bench.decode(b, c, args.repeats, eager=True) for b, c in eager_points]
+    ab_points = parse(args.skinny_ab) if args.device == "cuda" else []
+    skinny_ab = bench.skinny_ab(ab_points, args.repeats) if ab_points else []
     prefill = [bench.prefill(t, max(2, args.repeats // 5)) for t in prefill_lens]
     kernel_points = [(1, 1024), (64, 1024), (64, 8192)] if args.device == "cuda" else []
     kernels = [bench.kernels(b, c) for b, c in kernel_points]
@@ -497,6 +537,7 @@ def main() -> None:
         "graph_capture_s": bench.capture_s,
         "decode": decode,
         "decode_eager": decode_eager,
+        "skinny_gemv_ab": skinny_ab,
         "prefill": prefill,
         "kernels": kernels,
         "decode_block_sweep": block_sweep,
@@ -544,6 +585,10 @@ def print_report(report: dict) -> None:
             f"{d['host_ms_before_wait']:>8.2f}{d['roofline_ms']:>7.2f}"
             f"{d['fraction_of_roofline']:>8.0%}{d['tok_s']:>9.0f}"
         )
+    for d in report.get("skinny_gemv_ab", []):
+        on, off = d["step_ms_skinny_gemv"], d["step_ms_library_gemm"]
+        print(f"skinny GEMV b{d['batch']} ctx{d['context']}: step {on:.3f} ms vs library "
+              f"GEMM {off:.3f} ms: x{d['speedup']:.3f}")  # fmt: skip
     for p in report["prefill"]:
         print(f"prefill {p['tokens']:>5} tokens: {p['ms']:.1f} ms, {p['tflop_s']:.0f} TFLOP/s = "
               f"{p['fraction_of_matmul_peak']:.0%} of matmul peak")  # fmt: skip

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info  # noqa: E402
+from kernels import gemv as gv  # noqa: E402
 from kernels import norm_rope_cache as nrc  # noqa: E402
 from kernels import paged_decode_attention as dec  # noqa: E402
 from kernels import prefill_attention as pre  # noqa: E402
@@ -48,6 +49,14 @@ L2_FLUSH_BYTES = 256 << 20
 DECODE_POINTS = [(b, c) for c in (1024, 8192) for b in (1, 8, 64, 256)]
 PREFILL_POINTS = [(2048, 2048), (8192, 8192), (8192, 2048)]  # (context, new tokens)
 SMALL_TOKENS = [1, 64, 256, 8192]
+INTER = 14336
+GEMV_SHAPES = {  # name: (N, K), the 8B shape's decode projections
+    "qkv_proj": ((HEADS + 2 * KV_HEADS) * DIM, HIDDEN),
+    "o_proj": (HIDDEN, HIDDEN),
+    "gate_up_proj": (2 * INTER, HIDDEN),
+    "down_proj": (HIDDEN, INTER),
+}
+GEMV_ROWS = [1, 2, 3, 4, 8]
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -421,6 +430,33 @@ def _small_row(name, tokens, nbytes, err, ms, how, torch_ms) -> dict:
     }
 
 
+# --- skinny linear -------------------------------------------------------------------------
+
+
+def bench_gemv() -> list[dict]:
+    """The decode projections at M rows: the TileLang GEMV (M <= its limit) beside
+    torch's F.linear, both reading the weight once per call (bytes = weight + x + y)."""
+    rows = []
+    for name, (n, k) in GEMV_SHAPES.items():
+        for m in GEMV_ROWS:
+            nbytes = 2 * (n * k + m * k + m * n)
+            sets = [
+                (torch.randn(m, k, device="cuda", dtype=BF16),
+                 torch.randn(n, k, device="cuda", dtype=BF16) / math.sqrt(k))
+                for _ in range(copies_for(nbytes, cap=8))
+            ]  # fmt: skip
+            torch_ms, _ = time_calls([lambda s=s: F.linear(*s) for s in sets])
+            row = {"kernel": "gemv", "proj": name, "m": m, "n": n, "k": k, "bytes": nbytes,
+                   "torch_ms": torch_ms, "torch_GBps": nbytes / torch_ms / 1e6}  # fmt: skip
+            if gv.gemv_supported(*sets[0]):
+                row["rel_err"] = rel_err(gv.gemv(*sets[0]), gv.gemv_ref(*sets[0]))
+                ms, how = time_calls([lambda s=s: gv.gemv(*s) for s in sets])
+                row.update(ms=ms, GBps=nbytes / ms / 1e6, timing=how)
+            rows.append(row)
+            del sets
+    return rows
+
+
 # --- compile ahead, in parallel -----------------------------------------------------------
 
 
@@ -438,6 +474,7 @@ def _build(cfg) -> float:
         nrc.NormConfig: nrc.build_norm_kernel,
         nrc.RopeConfig: nrc.build_rope_kernel,
         nrc.CacheWriteConfig: nrc.build_cache_write_kernel,
+        gv.GemvConfig: gv.build_gemv_kernel,
     }[type(cfg)]
     builder(cfg)
     return time.perf_counter() - start
@@ -472,6 +509,15 @@ def configs() -> tuple[dict, list, list]:
         nrc.CacheWriteConfig(KV_HEADS, DIM, BLOCK, "bfloat16"),
     ]
     return decode, prefill, small
+
+
+def gemv_configs() -> list[gv.GemvConfig]:
+    return [
+        gv.GemvConfig(m, n, k, "bfloat16")
+        for n, k in GEMV_SHAPES.values()
+        for m in GEMV_ROWS
+        if m <= gv.MAX_ROWS
+    ]
 
 
 def decode_builds(variants: dict) -> list:
@@ -521,6 +567,18 @@ def table(result: dict) -> str:
             f"{v['TFLOPs']:7.0f} {100 * v['TFLOPs'] / peak:5.1f}%  {v['rel_err']:.1e}  "
             f"{torch_ms} {ratio}"
         )
+    lines.append("gemv proj        M     us    GB/s  %copy  err      torch-us  torch-GB/s  x")
+    for r in result.get("gemv", []):
+        if "ms" in r:
+            pct = 100 * r["GBps"] / bw
+            mine = f"{r['ms'] * 1e3:7.1f} {r['GBps']:7.0f} {pct:5.1f}%  {r['rel_err']:.1e}"
+        else:
+            mine = f"{'-':>7} {'-':>7} {'-':>6}  {'-':>7}"
+        ratio = f"{r['torch_ms'] / r['ms']:5.2f}" if "ms" in r else "    -"
+        lines.append(
+            f"  {r['proj']:<14} {r['m']:>2} {mine}  {r['torch_ms'] * 1e3:7.1f} "
+            f"{r['torch_GBps']:10.0f} {ratio}"
+        )
     lines.append("small kernels   tokens     us    GB/s  %copy  err      torch-us  x")
     for r in result["small"]:
         lines.append(
@@ -545,12 +603,21 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--sections", default="decode,prefill,small,gemv",
+                        help="which to run (the others keep their last figures)")  # fmt: skip
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     decode_cfgs, prefill_cfgs, small_cfgs = configs()
     result = machine_info()
     if args.commit:
         result["commit"] = args.commit
-    builds = decode_builds(decode_cfgs) + prefill_cfgs + small_cfgs
+    by_section = {
+        "decode": decode_builds(decode_cfgs),
+        "prefill": prefill_cfgs,
+        "small": small_cfgs,
+        "gemv": gemv_configs(),
+    }
+    builds = [cfg for name in sections for cfg in by_section[name]]
     result["compile"] = compile_all(builds, args.jobs)
     result["ceilings"] = measure_ceilings()
     result["configs"] = {
@@ -561,7 +628,10 @@ def main() -> None:
         ("decode", lambda: bench_decode(decode_cfgs, not args.no_torch)),
         ("prefill", lambda: bench_prefill(prefill_cfgs, not args.no_torch)),
         ("small", bench_small),
+        ("gemv", bench_gemv),
     ]:
+        if section not in sections:
+            continue
         try:
             result[section] = fn()
         except Exception:  # noqa: BLE001 - keep the other sections
@@ -570,7 +640,10 @@ def main() -> None:
             print(result["errors"][section], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels_h200.json").write_text(json.dumps(result, indent=1))
+    path = out / "kernels_h200.json"
+    if sections != {"decode", "prefill", "small", "gemv"} and path.exists():
+        result = {**json.loads(path.read_text()), **result}  # keep the sections not rerun
+    path.write_text(json.dumps(result, indent=1))
     print(table(result))
 
 

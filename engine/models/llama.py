@@ -39,10 +39,25 @@ _TILELANG_PRESENT = tilelang_available()
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without the random init: weights are loaded or filled afterwards."""
+    """``nn.Linear`` without the random init: weights are loaded or filled afterwards.
+
+    On CUDA a product with at most ``kernels.gemv.MAX_ROWS`` tokens (decode at small
+    batch) runs on the TileLang matrix-vector kernel, which streams the weight faster than
+    the library GEMM does at that size; ``skinny_kernel = False`` turns it off.
+    """
+
+    skinny_kernel = True
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny_kernel and self.bias is None and fused_kernels_for(x):
+            from kernels.gemv import gemv, gemv_supported
+
+            if gemv_supported(x, self.weight):
+                return gemv(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):

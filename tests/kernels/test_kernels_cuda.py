@@ -137,6 +137,24 @@ def test_silu_and_mul(inter, num_tokens):
     assert rel_error(out, silu_and_mul_ref(x)) <= TOL
 
 
+# (N, K): the 8B shape's qkv, o, gate_up, down; SmolLM2's qkv; a K that is not a
+# multiple of the 1,024 columns one CTA step covers.
+GEMV_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (960, 576), (8, 200)]
+
+
+@pytest.mark.parametrize("n,k", GEMV_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv(m, n, k):
+    from kernels.gemv import gemv, gemv_ref
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+    out = gemv(x, w)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert rel_error(out, gemv_ref(x, w)) <= TOL
+    assert rel_error(out, torch.nn.functional.linear(x, w)) <= TOL
+
+
 def _cos_sin(max_pos: int, dim: int) -> torch.Tensor:
     inv_freq = 1.0 / 500000 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
     angles = torch.arange(max_pos, device="cuda").float()[:, None] * inv_freq[None, :]

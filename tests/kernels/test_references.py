@@ -18,6 +18,7 @@ from engine.attention.base import AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.kv_cache.layout import KVCache, KVCacheLayout
 from kernels.activation import silu_and_mul_ref
+from kernels.gemv import MAX_ROWS, ROWS, gemv_ref, gemv_supported
 from kernels.norm_rope_cache import (
     rms_norm_ref,
     rotary_embedding_ref,
@@ -210,3 +211,21 @@ def test_make_problem_never_uses_the_null_block():
     used = p.block_tables[p.block_tables != 0]
     assert used.numel() == math.ceil(5 / 16) + math.ceil(33 / 16)
     assert len(set(used.tolist())) == used.numel()
+
+
+def test_gemv_reference_is_the_linear_layer():
+    x = torch.randn(3, 40, dtype=torch.float64)
+    w = torch.randn(12, 40, dtype=torch.float64)
+    assert torch.allclose(gemv_ref(x, w), torch.nn.functional.linear(x, w).float(), atol=1e-5)
+
+
+def test_gemv_takes_only_decode_shapes_it_can_read_whole():
+    w = torch.empty(4 * ROWS, 64, dtype=torch.bfloat16)
+    assert gemv_supported(torch.empty(1, 64, dtype=torch.bfloat16), w)
+    assert gemv_supported(torch.empty(MAX_ROWS, 64, dtype=torch.bfloat16), w)
+    assert not gemv_supported(torch.empty(MAX_ROWS + 1, 64, dtype=torch.bfloat16), w)
+    assert not gemv_supported(torch.empty(0, 64, dtype=torch.bfloat16), w)
+    assert not gemv_supported(torch.empty(1, 64, dtype=torch.float32), w.float())
+    assert not gemv_supported(torch.empty(1, 60, dtype=torch.bfloat16), w[:, :60].clone())
+    assert not gemv_supported(torch.empty(1, 64, dtype=torch.bfloat16), w[: ROWS + 1])
+    assert not gemv_supported(torch.empty(64, 2, dtype=torch.bfloat16).T, w)
