@@ -544,7 +544,7 @@ def table(result: dict) -> str:
         "decode Hq32/Hkv8/D128/bs128  B   ctx  auto-us   GB/s  %copy  err      "
         "best-variant     us  torch-dense-us  x  torch-engine-us  x"
     )
-    for r in result["decode"]:
+    for r in result.get("decode", []):
         v = r["variants"]["auto"]
         name, top = best(r["variants"], "GBps")
         t = r.get("torch", {})
@@ -557,7 +557,7 @@ def table(result: dict) -> str:
     lines.append(
         "prefill (causal)  ctx  new   best-variant        ms   TFLOP/s  %peak  err      torch-ms  x"
     )
-    for r in result["prefill"]:
+    for r in result.get("prefill", []):
         name, v = best(r["variants"], "TFLOPs")
         td = r.get("torch", {}).get("torch_sdpa_dense", {})
         torch_ms = f"{td['ms']:8.3f}" if "ms" in td else "       -"
@@ -580,7 +580,7 @@ def table(result: dict) -> str:
             f"{r['torch_GBps']:10.0f} {ratio}"
         )
     lines.append("small kernels   tokens     us    GB/s  %copy  err      torch-us  x")
-    for r in result["small"]:
+    for r in result.get("small", []):
         lines.append(
             f"  {r['kernel']:<20} {r['tokens']:>5} {r['ms'] * 1e3:7.1f} {r['GBps']:7.0f} "
             f"{100 * r['GBps'] / bw:5.1f}%  {r['rel_err']:.1e}  {r['torch_ms'] * 1e3:7.1f} "

@@ -149,11 +149,19 @@ class EngineConfig:
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs, every step runs eagerly
-    # plan step N+1 while step N runs (engine.core); off until measured to pay on the GPU
-    overlap_scheduling: bool = False
+    # plan step N+1 while step N runs (engine.core); None: on where the device runs
+    # asynchronously to the host (CUDA), off on the CPU, where there is nothing to overlap
+    overlap_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the engine overlaps scheduling with the device (``overlap_scheduling``)."""
+        if self.overlap_scheduling is not None:
+            return self.overlap_scheduling
+        return self.device.split(":")[0] == "cuda"

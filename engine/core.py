@@ -89,7 +89,7 @@ class EngineCore:
         self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len)
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
-        self.overlap = config.overlap_scheduling
+        self.overlap = config.overlaps
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             sched = self.config.scheduler

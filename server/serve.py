@@ -24,6 +24,10 @@ from router.config import PDConfig
 from router.policies import POLICIES
 from server.config import ServerConfig
 
+# The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
+# slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
+CUDA_BLOCK_SIZE = 128
+
 log = logging.getLogger("ferry.server")
 
 
@@ -70,7 +74,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="GGUF file, HF folder, 'default' (SmolLM2-135M) or 'dummy:<preset>'",
     )
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    p.add_argument("--block-size", type=int, help="KV cache block size in tokens")
+    p.add_argument("--block-size", type=int,
+                   help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE} on CUDA, "
+                   f"{CacheConfig.block_size} on the CPU)")
     p.add_argument("--kv-cache-memory-gb", type=float, help="memory for the KV cache")
     p.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
@@ -78,8 +84,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", help="cpu or cuda[:i]")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
-    p.add_argument("--overlap-scheduling", action="store_true", default=None,
-                   help="plan each step while the previous one runs (GPU)")
+    p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan each step while the previous one runs (default: on CUDA)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="CUDA: no decode CUDA graphs, run every step eagerly")  # fmt: skip
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
@@ -141,10 +147,10 @@ def _given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    cache = CacheConfig(
-        **_given(args, block_size="block_size", memory_gb="kv_cache_memory_gb"),
-        **_tier_fields(args),
-    )
+    sizes = _given(args, block_size="block_size", memory_gb="kv_cache_memory_gb")
+    if args.block_size is None and (args.device or "cpu").startswith("cuda"):
+        sizes["block_size"] = CUDA_BLOCK_SIZE
+    cache = CacheConfig(**sizes, **_tier_fields(args))
     scheduler = SchedulerConfig(
         **_given(
             args,

@@ -43,6 +43,18 @@ def test_flags_build_a_frozen_engine_config():
     assert serve.server_config(args).served_model_name == "tiny"
 
 
+def test_cuda_defaults_to_large_blocks_and_overlap_the_cpu_does_not():
+    cpu = serve.engine_config(parse())
+    assert cpu.cache.block_size == CacheConfig.block_size and not cpu.overlaps
+    gpu = serve.engine_config(parse("--device", "cuda:1"))
+    assert gpu.cache.block_size == serve.CUDA_BLOCK_SIZE and gpu.overlaps
+    chosen = serve.engine_config(
+        parse("--device", "cuda", "--block-size", "16", "--no-overlap-scheduling")
+    )
+    assert chosen.cache.block_size == 16 and not chosen.overlaps
+    assert serve.engine_config(parse("--overlap-scheduling")).overlaps
+
+
 def test_kv_tier_flags(monkeypatch, tmp_path):
     monkeypatch.delenv("FERRY_KV_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
