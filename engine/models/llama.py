@@ -52,12 +52,17 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.skinny_kernel and self.bias is None and fused_kernels_for(x):
-            from kernels.gemv import gemv, gemv_supported
+        return linear(x, self.weight, self.bias)
 
-            if gemv_supported(x, self.weight):
-                return gemv(x, self.weight)
-        return F.linear(x, self.weight, self.bias)
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``F.linear``, on the skinny GEMV kernel where it takes the operands (see Linear)."""
+    if Linear.skinny_kernel and bias is None and fused_kernels_for(x):
+        from kernels.gemv import gemv, gemv_supported
+
+        if gemv_supported(x, weight):
+            return gemv(x, weight)
+    return F.linear(x, weight, bias)
 
 
 class Embedding(nn.Embedding):
@@ -306,7 +311,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
         cfg = self.config

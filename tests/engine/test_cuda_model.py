@@ -1,4 +1,5 @@
-"""The Llama forward with the fused CUDA kernels (add+RMSNorm, RoPE) against its torch ops.
+"""The Llama forward with the CUDA kernels (add+RMSNorm, RoPE, SiLU-and-mul, and the
+skinny GEMV for the decode steps' projections and logits) against its torch ops.
 
 Skipped without CUDA or TileLang. Both bf16 paths are compared with a float32 CPU run of
 the same weights: the kernels' error must be no larger than the torch ops' own.
