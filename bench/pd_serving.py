@@ -3,7 +3,10 @@ engine, measured with ``ferry bench`` at concurrency 1 and 16, in one run.
 
     .venv/bin/python bench/pd_serving.py [--model default] [--concurrency 1 16]
         [--num-requests 8 32] [--input-len 256] [--output-len 32] [--threads 1]
-        [--out bench/results/pd_vs_aggregated_cpu.json]
+        [--serve-flags "..."] [--out bench/results/pd_vs_aggregated_cpu.json]
+
+On the GPU machine: ``--model dummy:llama3-8b --serve-flags "--device cuda --dtype
+bfloat16 ..."`` (both workers share the one GPU, so the KV goes through shm).
 
 Each topology is a fresh ``ferry serve`` on a free port (``--aggregated`` vs the
 default with ``--kv-transport`` shm and tcp); each load point is one ``ferry bench``
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--topologies", nargs="+", default=["aggregated", "pd-shm", "pd-tcp"])
+    parser.add_argument("--serve-flags", default="", help="more ferry serve flags, one string")
+    parser.add_argument("--commit", help="commit to record (default: git's)")
     parser.add_argument("--out", default="bench/results/pd_vs_aggregated_cpu.json")
     args = parser.parse_args(argv)
     flags = {
@@ -75,8 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     tmp = Path(tempfile.mkdtemp(prefix="ferry-pd-bench-"))
     report = {**machine_info(), "args": vars(args), "topologies": {}}
+    if args.commit:
+        report["commit"] = args.commit
     for topo in args.topologies:
-        common = ["--model", args.model, "--threads", str(args.threads)]
+        common = ["--model", args.model, "--threads", str(args.threads), *args.serve_flags.split()]
         proc, url = serve([*common, *flags[topo]], tmp / f"{topo}.log")
         try:
             points = {}
@@ -84,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                 s = bench_point(url, c, n, args, tmp / f"{topo}-c{c}.json")
                 points[f"c{c}"] = s
                 print(f"{topo} c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl p50 "
-                      f"{s['itl_ms']['p50']:.1f} ms, failed {s['failed']}", flush=True)  # fmt: skip
+                      f"{s['itl_ms']['p50']:.1f} ms, output {s['output_throughput']:.0f} tok/s, "
+                      f"failed {s['failed']}", flush=True)  # fmt: skip
             report["topologies"][topo] = points
         finally:
             proc.terminate()
