@@ -56,8 +56,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_transfer_flags(group: Any) -> None:
     """How KV moves between workers: a frontend passes these to the workers it starts; a
     worker started on its own (``ferry worker``) takes them itself."""
-    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"], default="shm",
-                       help="how KV moves from prefill to decode workers")
+    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"],
+                       help="how KV moves from prefill to decode workers (default: shm on "
+                            "the CPU, tcp on CUDA; nccl between workers on different GPUs)")
     group.add_argument("--local-prefill-tokens", type=int, default=16,
                        help="a decode worker prefills a prompt itself when at most this many "
                             "of its tokens are not in its prefix cache")
@@ -175,6 +176,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def kv_transport(args: argparse.Namespace) -> str:
+    """``--kv-transport``, or the one that works with the device: shm needs CPU caches."""
+    if args.kv_transport:
+        return args.kv_transport
+    return "tcp" if (args.device or "cpu").startswith("cuda") else "shm"
+
+
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
     """The disaggregated topology, or None with ``--aggregated``."""
     if args.aggregated:
@@ -182,7 +190,7 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
     return PDConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
-        transport=args.kv_transport,
+        transport=kv_transport(args),
         local_prefill_tokens=args.local_prefill_tokens,
         transfer_timeout_s=args.kv_transfer_timeout,
         policy=args.router_policy,

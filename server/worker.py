@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                          daemon=True).start()  # fmt: skip
     print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
     worker_args = argparse.Namespace(
-        transport=args.kv_transport, transfer_timeout=args.kv_transfer_timeout,
+        transport=serve.kv_transport(args), transfer_timeout=args.kv_transfer_timeout,
         local_prefill_tokens=args.local_prefill_tokens, kv_host=args.kv_host,
         exit_with_parent=False,
     )  # fmt: skip

@@ -204,8 +204,11 @@ class TcpReceiver(KVReceiver):
             return 0, "payload size does not match the block and layer counts"
         part = self.cache.storage[frame.layer : frame.layer + count]
         src = torch.frombuffer(frame.payload, dtype=torch.uint8).view(part.dtype)
-        index = torch.from_numpy(ids.astype(np.int64))
-        part.index_copy_(1, index, src.view(count, len(ids), *part.shape[2:]))
+        src = src.view(count, len(ids), *part.shape[2:]).to(part.device)
+        index = torch.from_numpy(ids.astype(np.int64)).to(part.device)
+        part.index_copy_(1, index, src)
+        if part.is_cuda:  # the frame's buffer is reused once this returns
+            torch.cuda.current_stream(part.device).synchronize()
         return count, None
 
     def close(self) -> None:
@@ -258,11 +261,11 @@ class TcpSender(KVSender):
         return self._stats(len(src_block_ids), started)
 
     def _stream(self, sock: socket.socket, tid: str, src: list[int], dst: list[int]) -> None:
-        index = torch.tensor(src, dtype=torch.long)
         storage = self.cache.storage
+        index = torch.tensor(src, dtype=torch.long, device=storage.device)
         for start, end in layer_chunks(self.cache, len(src)):
             data = storage[start:end].index_select(1, index).reshape(-1).view(torch.uint8)
-            write_frame(sock, DATA, tid, start, dst, memoryview(data.numpy()))
+            write_frame(sock, DATA, tid, start, dst, memoryview(data.cpu().numpy()))
         write_frame(sock, END, tid, len(self.cache.layers))
 
     def _connect(self, endpoint: KVEndpoint, timeout: float) -> socket.socket:

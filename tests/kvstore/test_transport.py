@@ -22,8 +22,8 @@ LAYOUT = KVCacheLayout.for_attention(3, 2, 8, 4, torch.float32)
 MLA = KVCacheLayout.for_mla(2, 12, 4, 4, torch.bfloat16)
 
 
-def _source(layout: KVCacheLayout, num_blocks: int = 32) -> KVCache:
-    cache = KVCache(layout, num_blocks, "cpu")
+def _source(layout: KVCacheLayout, num_blocks: int = 32, device: str = "cpu") -> KVCache:
+    cache = KVCache(layout, num_blocks, device)
     gen = torch.Generator().manual_seed(0)
     cache.storage.copy_(torch.randn(cache.shape, generator=gen).to(layout.dtype))
     return cache
@@ -33,13 +33,19 @@ def _threads() -> int:
     return threading.active_count()
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(
+    "name,device",
+    [("shm", "cpu"), ("tcp", "cpu"), pytest.param("tcp", "cuda", marks=CUDA)],
+)
 @pytest.mark.parametrize("layout", [LAYOUT, MLA], ids=["gqa", "mla"])
-def test_round_trip_into_given_block_ids(name, layout):
+def test_round_trip_into_given_block_ids(name, device, layout):
     transport = get_transport(name)
-    dst = transport.allocate_cache(layout, 48, "cpu")
+    dst = transport.allocate_cache(layout, 48, device)
     receiver = transport.receiver(dst)
-    src = _source(layout)
+    src = _source(layout, device=device)
     sender = get_transport(name).sender(src)
     rng = np.random.default_rng(1)
     try:

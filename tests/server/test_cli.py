@@ -55,6 +55,12 @@ def test_cuda_defaults_to_large_blocks_and_overlap_the_cpu_does_not():
     assert serve.engine_config(parse("--overlap-scheduling")).overlaps
 
 
+def test_kv_transport_defaults_to_one_the_device_can_use():
+    assert serve.pd_config(parse()).transport == "shm"  # shared CPU memory
+    assert serve.pd_config(parse("--device", "cuda")).transport == "tcp"
+    assert serve.pd_config(parse("--device", "cuda", "--kv-transport", "nccl")).transport == "nccl"
+
+
 def test_kv_tier_flags(monkeypatch, tmp_path):
     monkeypatch.delenv("FERRY_KV_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

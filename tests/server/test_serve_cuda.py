@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,10 +16,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 FLAGS = (
-    "--model", "dummy:llama3-8b", "--device", "cuda", "--dtype", "bfloat16", "--aggregated",
+    "--model", "dummy:llama3-8b", "--device", "cuda", "--dtype", "bfloat16",
     "--max-model-len", "4096", "--kv-cache-memory-gb", "8", "--block-size", "16",
 )  # fmt: skip
-MESSAGES = [{"role": "user", "content": "Count from one to ten."}]
+MESSAGES = [{"role": "user", "content": "Count from one to ten, then say each number in French and in German."}]
 
 
 def _run_server(*args):
@@ -33,8 +34,15 @@ def _run_server(*args):
     return module.run_server(*args)
 
 
-def test_chat_completion_and_stream_on_cuda(tmp_path):
-    with _run_server(tmp_path / "serve.log", *FLAGS) as s:
+@pytest.mark.parametrize(
+    "topology",
+    [("--aggregated",), ("--prefill", "1", "--decode", "1")],
+    ids=["aggregated", "prefill-decode"],
+)
+def test_chat_completion_and_stream_on_cuda(tmp_path, topology):
+    """Both topologies; the disaggregated one moves KV between two workers on the GPU
+    over the transport ``ferry serve`` picks for CUDA (tcp)."""
+    with _run_server(tmp_path / "serve.log", *FLAGS, *topology) as s:
         body = {"model": s.model, "messages": MESSAGES, "max_tokens": 32, "ignore_eos": True}
         r = httpx.post(f"{s.v1}/chat/completions", json=body, headers=s.headers, timeout=120)
         assert r.status_code == 200, r.text
@@ -54,3 +62,7 @@ def test_chat_completion_and_stream_on_cuda(tmp_path):
                 pieces += [c["delta"].get("content") or "" for c in chunk["choices"]]
         assert usage["completion_tokens"] == 32 and any(pieces)
         assert "captured decode CUDA graphs" in s.log_tail(100_000)
+        if "--aggregated" not in topology:  # the prompt really went through the prefill worker
+            metrics = httpx.get(f"{s.base_url}/metrics", timeout=30).text
+            blocks = re.search(r"^ferry_kv_transfer_blocks_total (\S+)$", metrics, re.M)
+            assert blocks and float(blocks.group(1)) > 0, metrics[-3000:]
