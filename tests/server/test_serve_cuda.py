@@ -19,7 +19,8 @@ FLAGS = (
     "--model", "dummy:llama3-8b", "--device", "cuda", "--dtype", "bfloat16",
     "--max-model-len", "4096", "--kv-cache-memory-gb", "8", "--block-size", "16",
 )  # fmt: skip
-MESSAGES = [{"role": "user", "content": "Count from one to ten, then say each number in French and in German."}]
+PROMPT = "Count from one to ten, then say each number in French and in German."
+MESSAGES = [{"role": "user", "content": PROMPT}]
 
 
 def _run_server(*args):
