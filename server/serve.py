@@ -93,8 +93,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
     tiers = p.add_argument_group("KV tiers below each worker's KV cache")
-    tiers.add_argument("--kv-tiers", type=_tier_list, default="host,file",
-                       help="which tiers: 'host', 'file', 'host,file' (default) or 'none'")
+    tiers.add_argument("--kv-tiers", type=_tier_list,
+                       help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
+                            "host,file on the CPU; host on CUDA, and file too with --kv-dir)")
     tiers.add_argument("--host-kv-cache-gb", type=_at_least(0.0), default=4.0,
                        help="host memory per worker for KV blocks evicted from its cache")
     tiers.add_argument("--kv-dir", help="file tier directory, shared by every worker of the "
@@ -131,11 +132,24 @@ def default_kv_dir() -> str:
     return envs.KV_DIR.get() or os.path.join(cache_home, "ferry", "kv")
 
 
+def kv_tiers(args: argparse.Namespace) -> frozenset[str]:
+    """``--kv-tiers``, or the default for the device. On CUDA a block is 16 MB at the 8B
+    shape and writing each one through to local files cut serving throughput 3x on the
+    H200 (bench/README.md), so files are used there only when asked for (``--kv-dir``:
+    a fast shared file system such as 3FS)."""
+    if args.kv_tiers is not None:
+        return args.kv_tiers
+    if (args.device or "cpu").startswith("cuda") and not args.kv_dir:
+        return frozenset({"host"})
+    return frozenset({"host", "file"})
+
+
 def _tier_fields(args: argparse.Namespace) -> dict[str, Any]:
     kv_dir = args.kv_dir or default_kv_dir()
+    tiers = kv_tiers(args)
     return {
-        "host_memory_gb": args.host_kv_cache_gb if "host" in args.kv_tiers else 0.0,
-        "kv_dir": os.path.abspath(os.path.expanduser(kv_dir)) if "file" in args.kv_tiers else "",
+        "host_memory_gb": args.host_kv_cache_gb if "host" in tiers else 0.0,
+        "kv_dir": os.path.abspath(os.path.expanduser(kv_dir)) if "file" in tiers else "",
         "file_capacity_gb": args.kv_file_capacity_gb,
         "file_ttl_hours": args.kv_file_ttl_hours,
     }

@@ -55,6 +55,17 @@ def test_cuda_defaults_to_large_blocks_and_overlap_the_cpu_does_not():
     assert serve.engine_config(parse("--overlap-scheduling")).overlaps
 
 
+def test_cuda_keeps_kv_in_host_memory_and_uses_files_only_when_given_a_directory(tmp_path):
+    cpu = serve.engine_config(parse()).cache
+    assert cpu.host_memory_gb > 0 and cpu.kv_dir
+    gpu = serve.engine_config(parse("--device", "cuda")).cache
+    assert gpu.host_memory_gb == cpu.host_memory_gb and gpu.kv_dir == ""
+    given = serve.engine_config(parse("--device", "cuda", "--kv-dir", str(tmp_path))).cache
+    assert given.kv_dir == str(tmp_path)
+    forced = serve.engine_config(parse("--device", "cuda", "--kv-tiers", "host,file")).cache
+    assert forced.kv_dir
+
+
 def test_kv_transport_defaults_to_one_the_device_can_use():
     assert serve.pd_config(parse()).transport == "shm"  # shared CPU memory
     assert serve.pd_config(parse("--device", "cuda")).transport == "tcp"
