@@ -141,7 +141,8 @@ def test_peer_death_is_detected(name):
 
     proc = subprocess.Popen(
         [sys.executable, "-c", _RECEIVER, name], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)},
     )  # fmt: skip
     try:
         endpoint = msgspec.json.decode(proc.stdout.readline(), type=KVEndpoint)
