@@ -132,6 +132,11 @@ def default_kv_dir() -> str:
     return envs.KV_DIR.get() or os.path.join(cache_home, "ferry", "kv")
 
 
+def _on_cuda(args: argparse.Namespace) -> bool:
+    """Whether ``--device`` puts the engines on CUDA (the defaults below differ there)."""
+    return (args.device or "cpu").split(":")[0] == "cuda"
+
+
 def kv_tiers(args: argparse.Namespace) -> frozenset[str]:
     """``--kv-tiers``, or the default for the device. On CUDA a block is 16 MB at the 8B
     shape and writing each one through to local files cut serving throughput 3x on the
@@ -139,7 +144,7 @@ def kv_tiers(args: argparse.Namespace) -> frozenset[str]:
     a fast shared file system such as 3FS)."""
     if args.kv_tiers is not None:
         return args.kv_tiers
-    if (args.device or "cpu").startswith("cuda") and not args.kv_dir:
+    if _on_cuda(args) and not args.kv_dir:
         return frozenset({"host"})
     return frozenset({"host", "file"})
 
@@ -163,7 +168,7 @@ def _given(args: argparse.Namespace, **fields: str) -> dict[str, Any]:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     sizes = _given(args, block_size="block_size", memory_gb="kv_cache_memory_gb")
-    if args.block_size is None and (args.device or "cpu").startswith("cuda"):
+    if args.block_size is None and _on_cuda(args):
         sizes["block_size"] = CUDA_BLOCK_SIZE
     cache = CacheConfig(**sizes, **_tier_fields(args))
     scheduler = SchedulerConfig(
@@ -194,7 +199,7 @@ def kv_transport(args: argparse.Namespace) -> str:
     """``--kv-transport``, or the one that works with the device: shm needs CPU caches."""
     if args.kv_transport:
         return args.kv_transport
-    return "tcp" if (args.device or "cpu").startswith("cuda") else "shm"
+    return "tcp" if _on_cuda(args) else "shm"
 
 
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
