@@ -267,19 +267,19 @@ class Bench:
             "down_proj": layer0.mlp.down_proj.weight,
             "lm_head": self.model.lm_head.weight,
         }
-        for name, weight in weights.items():
-            xin = torch.randn(batch, weight.shape[1], dtype=torch.bfloat16, device="cuda")
-            ms = _graph_ms(lambda w=weight, xin=xin: torch.nn.functional.linear(xin, w))
-            out[f"{name}_gemm"] = {"us": ms * 1e3, "gb_s": weight.numel() * 2 / ms / 1e6}
-            if gemv_supported(xin, weight):
-                ms = _graph_ms(lambda w=weight, xin=xin: gemv(xin, w))
-                out[f"{name}_tilelang_gemv"] = {
-                    "us": ms * 1e3,
-                    "gb_s": weight.numel() * 2 / ms / 1e6,
-                }
+        linear = torch.nn.functional.linear
+
+        def timed(fn, weight: torch.Tensor) -> dict:
+            ms = _graph_ms(fn)
+            return {"us": ms * 1e3, "gb_s": weight.numel() * weight.element_size() / ms / 1e6}
+
+        for name, w in weights.items():
+            xin = torch.randn(batch, w.shape[1], dtype=torch.bfloat16, device="cuda")
+            out[f"{name}_gemm"] = timed(lambda w=w, xin=xin: linear(xin, w), w)
+            if gemv_supported(xin, w):
+                out[f"{name}_tilelang_gemv"] = timed(lambda w=w, xin=xin: gemv(xin, w), w)
             if batch == 1:  # the matrix-vector product torch takes for 1-D inputs
-                ms = _graph_ms(lambda w=weight, xin=xin: torch.nn.functional.linear(xin[0], w))
-                out[f"{name}_gemv"] = {"us": ms * 1e3, "gb_s": weight.numel() * 2 / ms / 1e6}
+                out[f"{name}_gemv"] = timed(lambda w=w, xin=xin: linear(xin[0], w), w)
         return out
 
     def decode_block_sweep(self, batches=(1, 64), context: int = 1024) -> list[dict]:

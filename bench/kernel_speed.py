@@ -57,6 +57,7 @@ GEMV_SHAPES = {  # name: (N, K), the 8B shape's decode projections
     "down_proj": (HIDDEN, INTER),
 }
 GEMV_ROWS = [1, 2, 3, 4, 8]
+SECTIONS = ("decode", "prefill", "small", "gemv")
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -603,7 +604,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--sections", default="decode,prefill,small,gemv",
+    parser.add_argument("--sections", default=",".join(SECTIONS),
                         help="which to run (the others keep their last figures)")  # fmt: skip
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -641,7 +642,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "kernels_h200.json"
-    if sections != {"decode", "prefill", "small", "gemv"} and path.exists():
+    if sections != set(SECTIONS) and path.exists():
         result = {**json.loads(path.read_text()), **result}  # keep the sections not rerun
     path.write_text(json.dumps(result, indent=1))
     print(table(result))

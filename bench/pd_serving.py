@@ -5,8 +5,9 @@ engine, measured with ``ferry bench`` at concurrency 1 and 16, in one run.
         [--num-requests 8 32] [--input-len 256] [--output-len 32] [--threads 1]
         [--serve-flags "..."] [--out bench/results/pd_vs_aggregated_cpu.json]
 
-On the GPU machine: ``--model dummy:llama3-8b --serve-flags "--device cuda --dtype
-bfloat16 ..."`` (both workers share the one GPU, so the KV goes through shm).
+On the GPU machine: ``--model dummy:llama3-8b --topologies aggregated pd-tcp
+--serve-flags "--device cuda --dtype bfloat16 ..."`` (shm needs CPU caches; on one GPU
+the two workers move KV over tcp).
 
 Each topology is a fresh ``ferry serve`` on a free port (``--aggregated`` vs the
 default with ``--kv-transport`` shm and tcp); each load point is one ``ferry bench``
