@@ -33,7 +33,6 @@ import torch
 
 from bench.common import machine_info
 from engine.attention import backend_for
-from engine.kv_cache.layout import KVCache
 from engine.loader import load_model
 from engine.models.llama import Linear
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
@@ -44,6 +43,7 @@ from kernels.activation import silu_and_mul
 from kernels.gemv import gemv, gemv_supported
 from kernels.norm_rope_cache import fused_add_rms_norm, rotary_embedding, write_kv_cache
 from kernels.paged_decode_attention import paged_decode_attention
+from kvstore.layout import KVCache
 
 COPY_BW = 4.24e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 MATMUL_PEAK = 777e12  # bf16 FLOP/s, measured on the H200

@@ -153,7 +153,7 @@ def torch_decode_calls(inputs: list[dict], ctx: int) -> dict[str, list[Callable]
     """torch SDPA over dense [B, Hkv, L, D] (a static cache), and the engine's torch path."""
     from engine.attention.base import AttentionMetadata
     from engine.attention.torch_sdpa import TorchSDPABackend
-    from engine.kv_cache.layout import KVCache, KVCacheLayout
+    from kvstore.layout import KVCache, KVCacheLayout
 
     dense, engine = [], []
     for x in inputs:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from bench.common import machine_info, median_time
-from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.layout import KVCache, KVCacheLayout
 from kvstore.transport import KVEndpoint, get_transport
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,8 +16,8 @@ import msgspec
 from engine.messages import EngineStats, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kvstore.events import KVEvent
-from kvstore.transport.base import KVEndpoint
-from prefill.messages import KVDestination, Shutdown, WorkerFailed
+from kvstore.transport.base import KVDestination, KVEndpoint
+from prefill.messages import Shutdown, WorkerFailed
 
 
 class DecodeRequest(msgspec.Struct, tag=True, frozen=True):

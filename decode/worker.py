@@ -41,9 +41,8 @@ from engine.core import EngineCore
 from engine.ipc import WorkerChannel, add_worker_args, linger, parent_watch, run_worker_main
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PDScheduler
-from kvstore.events import from_block_events
 from kvstore.transport import get_transport
-from prefill.messages import KVDestination
+from kvstore.transport.base import KVDestination
 
 log = logging.getLogger("ferry.decode")
 
@@ -156,7 +155,7 @@ class DecodeWorker:
         self._touched = False
         outputs = self.outputs + (self.core.step() if self.core.has_work else [])
         self.outputs = []
-        events = from_block_events(self.core.kv.pool.drain_events())
+        events = self.core.kv.pool.drain_events()
         msgs: list[msgspec.Struct] = list(self.wanted)
         self.wanted = []
         if outputs or events or stepped:
@@ -167,7 +166,7 @@ class DecodeWorker:
     def heartbeat(self) -> DecodeOutputs:
         """Stats for frontends while idle, with the KV events that came in meanwhile (the
         KV tiers' writer finishes files after the last step)."""
-        events = from_block_events(self.core.kv.pool.drain_events())
+        events = self.core.kv.pool.drain_events()
         return DecodeOutputs([], self.sched.stats(), self.sched.num_transferring, events,
                              self.draining)  # fmt: skip
 

@@ -25,7 +25,6 @@ from engine.attention import backend_for
 from engine.config import CacheConfig, EngineConfig
 from engine.ipc import worker_sockets
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.layout import KVCache, KVCacheLayout
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiered import KVTiers
 from engine.loader import load_model
@@ -47,6 +46,7 @@ from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.structured import GrammarCompiler, GrammarGate
 from kvstore.hashing import extra_keys
+from kvstore.layout import KVCache, KVCacheLayout
 
 log = logging.getLogger("ferry.engine")
 

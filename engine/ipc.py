@@ -132,7 +132,7 @@ def run_on_channel(serve, config, channel, args, redis_url, name, role, drain=No
     drain = drain or threading.Event()
     registration = None
     if redis_url:
-        from router.registry import WorkerRegistration
+        from kvstore.registry import WorkerRegistration
 
         announcement = {"name": name, "role": role, "address": channel.address}
         registration = WorkerRegistration(redis_url, announcement, drain)

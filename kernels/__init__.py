@@ -15,6 +15,6 @@ import it on first use, so CPU-only machines can use the references.
 - ``activation``: SiLU-and-mul, the SwiGLU gate over the fused gate/up projection.
 """
 
-from kernels._tl import tilelang_available
+from kernels._tl import ATTENTION_DTYPES, kernels_usable, tilelang_available
 
-__all__ = ["tilelang_available"]
+__all__ = ["ATTENTION_DTYPES", "kernels_usable", "tilelang_available"]

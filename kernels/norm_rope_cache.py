@@ -10,7 +10,7 @@
   ``[max_positions, head_dim]`` float32, cos half then sin half (``engine.models.llama``).
 - ``write_kv_cache(k, v, kv_cache, slot_mapping)``, in place: token t's k and v land in
   row ``slot_mapping[t]`` of the cache seen as ``[num_blocks * block_size, token_width]``
-  (k then v, ``engine.kv_cache.layout``); a negative slot is skipped.
+  (k then v, ``kvstore.layout``); a negative slot is skipped.
 
 q, k and v may be views whose first dim strides (slices of a fused qkv projection): the
 kernels take each one's row stride; the other dims must be packed.

@@ -1,6 +1,6 @@
 """Paged decode attention for GQA: one query token per sequence, split-K with a combine.
 
-Cache layout (``engine.kv_cache.layout``): one tensor per layer ``[num_blocks, block_size,
+Cache layout (``kvstore.layout``): one tensor per layer ``[num_blocks, block_size,
 token_width]`` with ``token_width = 2 * Hkv * D``; a token's k is ``[:Hkv*D]`` and its v
 ``[Hkv*D:]``, each (kv_heads, head_dim). ``block_tables[b, j]`` is the cache block that
 holds tokens ``j*block_size : (j+1)*block_size`` of sequence b; unused entries are 0 (the

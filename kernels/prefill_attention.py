@@ -2,7 +2,7 @@
 
 Queries ``q [T, Hq, D]`` hold the new tokens of B sequences back to back: sequence b owns
 rows ``query_start_loc[b] : query_start_loc[b+1]``. Its context is ``seq_lens[b]`` tokens
-read from the paged cache (``engine.kv_cache.layout``: per layer ``[num_blocks,
+read from the paged cache (``kvstore.layout``: per layer ``[num_blocks,
 block_size, 2 * Hkv * D]``, k then v), the new tokens being its last ``q_len`` tokens, so
 their k and v must already be in the cache. Query row r of sequence b sits at position
 ``seq_lens[b] - q_len + r`` and attends to positions ``0 ..`` that one (causal, aligned

@@ -1,10 +1,12 @@
-"""KV events: what a worker's cache gained or lost, for the router's prefix index."""
+"""KV events: what a cache or a tier below it gained or lost, for the router's prefix index.
+
+One type everywhere: the block pool and the tiers emit it, workers send it on their
+channels and to Redis, the router's index applies it.
+"""
 
 from __future__ import annotations
 
 import msgspec
-
-from engine.kv_cache.block_pool import BlockEvent
 
 
 class KVEvent(msgspec.Struct, array_like=True, frozen=True):
@@ -13,7 +15,3 @@ class KVEvent(msgspec.Struct, array_like=True, frozen=True):
     # "device": the worker's own KV cache (GPU or CPU memory); "host": its host-memory tier;
     # "file": the file tier, which every worker on the machine shares
     tier: str = "device"
-
-
-def from_block_events(events: list[BlockEvent]) -> list[KVEvent]:
-    return [KVEvent(e.kind, e.block_hash, e.tier) for e in events]

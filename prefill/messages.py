@@ -14,18 +14,7 @@ import msgspec
 from engine.messages import EngineStats, TokenLogprob
 from engine.sampling_params import SamplingParams
 from kvstore.events import KVEvent
-from kvstore.transport.base import KVEndpoint
-
-
-class KVDestination(msgspec.Struct, frozen=True):
-    """Where a request's KV goes: the decode worker's receiver and the blocks it reserved
-    for prompt blocks ``skip_blocks ..`` (it holds the first ``skip_blocks`` itself).
-    No transfer starts after ``deadline`` (wall clock): the decode worker gives up then."""
-
-    endpoint: KVEndpoint
-    block_ids: list[int]
-    skip_blocks: int
-    deadline: float
+from kvstore.transport.base import KVDestination
 
 
 class PrefillRequest(msgspec.Struct, tag=True, frozen=True):

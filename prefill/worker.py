@@ -33,7 +33,6 @@ from engine.kv_cache.block_pool import Block
 from engine.messages import EngineRequest, RequestOutput
 from engine.pd_scheduler import PREFILLED, PDScheduler
 from engine.request import Status
-from kvstore.events import from_block_events
 from kvstore.transport import TransferStats, get_transport
 from prefill.messages import (
     AbortPrefill,
@@ -233,13 +232,13 @@ class PrefillWorker:
     def heartbeat(self) -> PrefillStats:
         """Stats for frontends while idle, with the KV events that came in meanwhile (the
         KV tiers' writer finishes files after the last step)."""
-        events = from_block_events(self.core.kv.pool.drain_events())
+        events = self.core.kv.pool.drain_events()
         return PrefillStats(self.sched.stats(), self.sched.num_transferring, events,
                             self.tokens_per_s, self.draining)  # fmt: skip
 
     def drain(self) -> list[msgspec.Struct]:
         """Messages for the frontend; stats only when something moved."""
-        events = from_block_events(self.core.kv.pool.drain_events())
+        events = self.core.kv.pool.drain_events()
         out, self.out = self.out, []
         if out or events or self._stepped:
             out.append(PrefillStats(self.sched.stats(), self.sched.num_transferring, events,

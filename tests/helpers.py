@@ -12,8 +12,8 @@ import torch
 
 from engine.attention.base import AttentionMetadata, ForwardContext
 from engine.attention.torch_sdpa import TorchSDPABackend
-from engine.kv_cache.layout import KVCache
 from engine.models.base import CausalLM
+from kvstore.layout import KVCache
 
 
 def single_sequence_metadata(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.attention.tilelang_backend import TileLangBackend
 from engine.attention.torch_sdpa import TorchSDPABackend
-from kernels._tl import kernels_usable
+from kernels import kernels_usable
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch": TorchSDPABackend,

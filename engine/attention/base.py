@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.layout import KVCache
+from kvstore.layout import KVCache
 
 
 @dataclass

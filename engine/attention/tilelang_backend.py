@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
-from engine.kv_cache.layout import KVCache
 from kernels.norm_rope_cache import write_kv_cache
 from kernels.paged_decode_attention import paged_decode_attention
 from kernels.prefill_attention import prefill_attention
+from kvstore.layout import KVCache
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 

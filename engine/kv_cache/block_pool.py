@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstore.events import KVEvent
 from kvstore.hashing import BlockHash
 
 
@@ -24,16 +25,6 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
-
-
-@dataclass(frozen=True)
-class BlockEvent:
-    """A change of what the cache (or a tier below it) holds, for whoever indexes it (the
-    router)."""
-
-    kind: str  # "stored" | "removed"
-    block_hash: BlockHash
-    tier: str = "device"  # "device" (this pool) | "host" | "file"
 
 
 class BlockPool:
@@ -45,9 +36,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self._cached: dict[BlockHash, Block] = {}
-        self.events: list[BlockEvent] = []
+        self.events: list[KVEvent] = []
         self.on_evict: Callable[[int, BlockHash], None] | None = None
-        self._event_sources: list[Callable[[], list[BlockEvent]]] = []
+        self._event_sources: list[Callable[[], list[KVEvent]]] = []
 
     @property
     def num_free(self) -> int:
@@ -110,18 +101,18 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
-        self.events.append(BlockEvent("stored", block_hash))
+        self.events.append(KVEvent("stored", block_hash))
         return True
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):
             self._evict(block)
 
-    def add_event_source(self, drain: Callable[[], list[BlockEvent]]) -> None:
+    def add_event_source(self, drain: Callable[[], list[KVEvent]]) -> None:
         """``drain_events`` also returns what ``drain()`` hands over (the tiers' events)."""
         self._event_sources.append(drain)
 
-    def drain_events(self) -> list[BlockEvent]:
+    def drain_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
         for drain in self._event_sources:
             events.extend(drain())
@@ -131,7 +122,7 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self._cached[block.block_hash]
-        self.events.append(BlockEvent("removed", block.block_hash))
+        self.events.append(KVEvent("removed", block.block_hash))
         block.block_hash = None
 
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache.block_pool import BlockEvent
-from engine.kv_cache.layout import KVCache
+from kvstore.events import KVEvent
 from kvstore.hashing import BlockHash
+from kvstore.layout import KVCache
 from kvstore.tiers.events import TierEvents
 from kvstore.tiers.file import FileTier
 from kvstore.tiers.format import BlockMeta
@@ -155,7 +155,7 @@ class KVTiers:
 
     # -- reporting ------------------------------------------------------------------------
 
-    def drain_events(self) -> list[BlockEvent]:
+    def drain_events(self) -> list[KVEvent]:
         return self.events.drain()
 
     def stats(self) -> dict[str, int]:

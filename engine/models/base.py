@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.attention.base import ForwardContext
 from engine.config import ModelConfig
-from engine.kv_cache.layout import KVCacheLayout
+from kvstore.layout import KVCacheLayout
 
 
 class CausalLM(nn.Module, ABC):

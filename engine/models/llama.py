@@ -25,9 +25,9 @@ from torch import nn
 
 from engine.attention.base import ForwardContext
 from engine.config import ModelConfig, RopeScaling
-from engine.kv_cache.layout import KVCacheLayout
 from engine.models.base import CausalLM
-from kernels._tl import ATTENTION_DTYPES, tilelang_available
+from kernels import ATTENTION_DTYPES, tilelang_available
+from kvstore.layout import KVCacheLayout
 
 
 def fused_kernels_for(x: torch.Tensor) -> bool:

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import threading
 
-from engine.kv_cache.block_pool import BlockEvent
+from kvstore.events import KVEvent
 from kvstore.hashing import BlockHash
 
 
 class TierEvents:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: list[BlockEvent] = []
+        self._events: list[KVEvent] = []
 
     def add(self, kind: str, block_hash: BlockHash, tier: str) -> None:
         with self._lock:
-            self._events.append(BlockEvent(kind, block_hash, tier))
+            self._events.append(KVEvent(kind, block_hash, tier))
 
-    def drain(self) -> list[BlockEvent]:
+    def drain(self) -> list[KVEvent]:
         with self._lock:
             events, self._events = self._events, []
         return events

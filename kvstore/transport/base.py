@@ -26,7 +26,7 @@ from typing import ClassVar
 import msgspec
 import torch
 
-from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.layout import KVCache, KVCacheLayout
 
 
 class TransferError(RuntimeError):
@@ -41,6 +41,17 @@ class KVEndpoint(msgspec.Struct, frozen=True):
     layout: str  # layout_signature() of the receiving cache
     num_blocks: int
     pid: int = 0
+
+
+class KVDestination(msgspec.Struct, frozen=True):
+    """Where a request's KV goes: the decode worker's receiver and the blocks it reserved
+    for prompt blocks ``skip_blocks ..`` (it holds the first ``skip_blocks`` itself).
+    No transfer starts after ``deadline`` (wall clock): the decode worker gives up then."""
+
+    endpoint: KVEndpoint
+    block_ids: list[int]
+    skip_blocks: int
+    deadline: float
 
 
 @dataclass(frozen=True)

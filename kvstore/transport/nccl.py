@@ -29,7 +29,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from engine.kv_cache.layout import KVCache
+from kvstore.layout import KVCache
 from kvstore.transport.base import (
     KVEndpoint,
     KVReceiver,

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.layout import KVCache, KVCacheLayout
 from kvstore.procs import pid_alive
 from kvstore.transport.base import (
     KVEndpoint,

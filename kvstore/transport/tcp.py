@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-from engine.kv_cache.layout import KVCache
+from kvstore.layout import KVCache
 from kvstore.transport.base import (
     KVEndpoint,
     KVReceiver,

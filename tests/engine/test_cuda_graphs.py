@@ -12,12 +12,12 @@ import torch
 
 from engine.attention import backend_for
 from engine.cuda_graphs import batch_buckets
-from engine.kv_cache.layout import KVCache
 from engine.loader import load_model
 from engine.plan import NewRequest, ScheduledChunk, StepPlan
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from kvstore.layout import KVCache
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)

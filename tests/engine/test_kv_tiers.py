@@ -10,7 +10,6 @@ import torch
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.layout import KVCache, KVCacheLayout
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiered import KVTiers, block_meta
 from engine.pd_scheduler import PDScheduler
@@ -18,7 +17,7 @@ from engine.plan import StepResult
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from kvstore.events import from_block_events
+from kvstore.layout import KVCache, KVCacheLayout
 from kvstore.tiers import FileTier, HostTier, TierEvents
 
 BS = 4
@@ -97,7 +96,7 @@ def test_evicted_blocks_go_to_host_memory_and_come_back():
         e.step()
     assert e.kv.hit_tokens_by_tier["host"] > 0 and req.num_cached_tokens == 16
     e.sched.check_integrity()
-    events = from_block_events(e.kv.pool.drain_events())
+    events = e.kv.pool.drain_events()
     assert {(ev.kind, ev.tier) for ev in events} >= {("stored", "host"), ("removed", "device")}
 
 

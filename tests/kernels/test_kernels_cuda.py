@@ -209,7 +209,7 @@ def test_backend_matches_torch_backend(decode):
     from engine.attention.base import AttentionMetadata
     from engine.attention.tilelang_backend import TileLangBackend
     from engine.attention.torch_sdpa import TorchSDPABackend
-    from engine.kv_cache.layout import KVCache, KVCacheLayout
+    from kvstore.layout import KVCache, KVCacheLayout
 
     heads, kv_heads, dim, block_size = 32, 8, 128, 128
     lens = [37, 600, 129, 1]

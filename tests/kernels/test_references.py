@@ -16,7 +16,6 @@ from kernel_cases import dense_attention, make_problem, rel_error
 
 from engine.attention.base import AttentionMetadata
 from engine.attention.torch_sdpa import TorchSDPABackend
-from engine.kv_cache.layout import KVCache, KVCacheLayout
 from kernels.activation import silu_and_mul_ref
 from kernels.gemv import MAX_ROWS, ROWS, gemv_ref, gemv_supported
 from kernels.norm_rope_cache import (
@@ -26,6 +25,7 @@ from kernels.norm_rope_cache import (
 )
 from kernels.paged_decode_attention import choose_num_splits, paged_decode_attention_ref
 from kernels.prefill_attention import prefill_attention_ref
+from kvstore.layout import KVCache, KVCacheLayout
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
     (4, 4, 64, 16),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.layout import KVCache, KVCacheLayout
 from kvstore.transport import TransferError, get_transport
 from kvstore.transport import tcp as tcp_mod
 
@@ -122,7 +122,7 @@ def test_tcp_unexpected_or_forgotten_transfer_is_refused():
 
 _RECEIVER = """
 import sys, time, msgspec, torch
-from engine.kv_cache.layout import KVCacheLayout
+from kvstore.layout import KVCacheLayout
 from kvstore.transport import get_transport
 lay = KVCacheLayout.for_attention(3, 2, 8, 4, torch.float32)
 t = get_transport(sys.argv[1])

@@ -12,7 +12,7 @@ import pytest
 import torch
 import xxhash
 
-from engine.kv_cache.layout import KVCache, KVCacheLayout
+from kvstore.layout import KVCache, KVCacheLayout
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
@@ -22,7 +22,7 @@ LAYOUT = KVCacheLayout.for_attention(4, 8, 128, 16, torch.bfloat16)
 
 _RECEIVER = """
 import json, sys, msgspec, torch, xxhash
-from engine.kv_cache.layout import KVCacheLayout
+from kvstore.layout import KVCacheLayout
 from kvstore.transport import get_transport
 torch.cuda.set_device(1)
 lay = KVCacheLayout.for_attention(4, 8, 128, 16, torch.bfloat16)
