@@ -117,10 +117,15 @@ class KVReceiver(ABC):
 
 
 class KVSender(ABC):
+    """The sending end, on its own cache. ``send`` checks what every backend checks (the
+    endpoint's backend and layout, the block ids) and times the transfer; a backend
+    moves the bytes in ``_send``."""
+
+    backend: ClassVar[str]
+
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
 
-    @abstractmethod
     def send(
         self,
         endpoint: KVEndpoint,
@@ -130,13 +135,25 @@ class KVSender(ABC):
         timeout: float = 30.0,
     ) -> TransferStats:
         """Copy blocks ``src[i]`` → ``dst[i]`` of every layer; see the module docstring."""
+        started = time.perf_counter()
+        if endpoint.backend != self.backend:
+            raise TransferError(f"{self.backend} sender given a {endpoint.backend} endpoint")
+        check_layout(self.cache, endpoint)
+        check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
+        self._send(endpoint, transfer_id, src_block_ids, dst_block_ids, timeout)
+        nbytes = len(src_block_ids) * self.cache.layout.bytes_per_block
+        return TransferStats(len(src_block_ids), nbytes, time.perf_counter() - started)
+
+    @abstractmethod
+    def _send(
+        self, endpoint: KVEndpoint, transfer_id: str, src: list[int], dst: list[int],
+        timeout: float,
+    ) -> None:  # fmt: skip
+        """Move the blocks; return once every byte is in place, raise ``TransferError``
+        otherwise."""
 
     @abstractmethod
     def close(self) -> None: ...
-
-    def _stats(self, n: int, started: float) -> TransferStats:
-        nbytes = n * block_bytes(self.cache.layout) * self.cache.layout.num_layers
-        return TransferStats(n, nbytes, time.perf_counter() - started)
 
 
 class KVTransport(ABC):

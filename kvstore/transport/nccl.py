@@ -19,11 +19,9 @@ Endpoint address: ``host:control_port/store_port``.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import socket
 import threading
-import time
 import uuid
 
 import torch
@@ -32,17 +30,21 @@ import torch.distributed as dist
 from kvstore.layout import KVCache
 from kvstore.transport.base import (
     KVEndpoint,
-    KVReceiver,
     KVSender,
     KVTransport,
     TransferError,
-    TransferStats,
-    check_ids,
-    check_layout,
     layer_chunks,
     layout_signature,
 )
-from kvstore.transport.tcp import ACK, NACK, read_frame, write_frame
+from kvstore.transport.tcp import (
+    ACK,
+    NOT_EXPECTED,
+    SocketReceiver,
+    answer,
+    check_reply,
+    read_frame,
+    write_frame,
+)
 
 HELLO, HEAD = 5, 6
 _TAG = 0
@@ -73,75 +75,35 @@ def _use_device(cache: KVCache) -> None:
         torch.cuda.set_device(device)
 
 
-class NcclReceiver(KVReceiver):
+class NcclReceiver(SocketReceiver):
     def __init__(self, cache: KVCache, host: str, backend: str, timeout: float) -> None:
-        self.cache = cache
+        super().__init__(cache, host)
         self.backend = backend
         self.timeout = timeout
         self._store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout),
                                     wait_for_workers=False)  # fmt: skip
-        self._listener = socket.create_server((host, 0))
-        self._expected: dict[str, set[int]] = {}
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
-        self._closed = False
-        address = f"{host}:{self._listener.getsockname()[1]}/{self._store.port}"
+        address = f"{host}:{self.port}/{self._store.port}"
         self.endpoint = KVEndpoint("nccl", address, layout_signature(cache), cache.num_blocks)
-        self._spawn(self._accept_loop)
-
-    def expect(self, transfer_id: str, dst_block_ids: list[int]) -> None:
-        with self._lock:
-            self._expected[transfer_id] = set(dst_block_ids)
-
-    def forget(self, transfer_id: str) -> None:
-        with self._lock:
-            self._expected.pop(transfer_id, None)
-
-    def _spawn(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True, name="kv-nccl")
-        thread.start()
-        self._threads.append(thread)
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.add(conn)
-            self._spawn(self._serve, conn)
+        self._listen()
 
     def _serve(self, conn: socket.socket) -> None:
         _use_device(self.cache)
-        try:
-            hello = read_frame(conn)
-            if hello.kind != HELLO:
+        hello = read_frame(conn)
+        if hello.kind != HELLO:
+            return
+        group = _group(self.backend, dist.PrefixStore(hello.transfer_id, self._store), 1,
+                       self.timeout)  # fmt: skip
+        write_frame(conn, ACK, hello.transfer_id)
+        while True:
+            head = read_frame(conn)
+            if head.kind != HEAD:
                 return
-            group = _group(self.backend, dist.PrefixStore(hello.transfer_id, self._store), 1,
-                           self.timeout)  # fmt: skip
-            write_frame(conn, ACK, hello.transfer_id)
-            while True:
-                head = read_frame(conn)
-                if head.kind != HEAD:
-                    return
-                problem = self._receive(group, head.transfer_id, head.block_ids.tolist(),
-                                        head.layer)  # fmt: skip
-                if problem is None:
-                    write_frame(conn, ACK, head.transfer_id)
-                else:
-                    write_frame(conn, NACK, head.transfer_id, payload=problem.encode())
-        except (OSError, ConnectionError, RuntimeError):
-            pass  # the sender went away (or the group broke): drop what was partial
-        finally:
-            self._conns.discard(conn)
-            conn.close()
+            ids = head.block_ids.tolist()
+            answer(conn, head.transfer_id, self._receive(group, head.transfer_id, ids,
+                                                         head.layer))  # fmt: skip
 
     def _receive(self, group, tid: str, ids: list[int], num_layers: int) -> str | None:
-        with self._lock:
-            allowed = self._expected.get(tid)
-            ok = allowed is not None and allowed.issuperset(ids)
+        ok = self._allowed(tid, ids)
         storage = self.cache.storage
         index = torch.tensor(ids, dtype=torch.long, device=storage.device)
         for start, end in chunks(self.cache, len(ids), num_layers):
@@ -153,20 +115,7 @@ class NcclReceiver(KVReceiver):
                 part.index_copy_(1, index, buf)
         if storage.is_cuda:
             torch.cuda.synchronize(storage.device)
-        if ok:
-            return None
-        return "transfer not expected (cancelled or timed out) or blocks not its own"
-
-    def close(self) -> None:
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for conn in list(self._conns):
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
-            thread.join(timeout=5)
+        return None if ok else NOT_EXPECTED
 
 
 class _Pair:
@@ -177,44 +126,36 @@ class _Pair:
 
 
 class NcclSender(KVSender):
+    backend = "nccl"
+
     def __init__(self, cache: KVCache, backend: str, timeout: float) -> None:
         super().__init__(cache)
-        self.backend = backend
+        self.group_backend = backend
         self.timeout = timeout
         self._pairs: dict[str, _Pair] = {}
         self._guard = threading.Lock()
 
-    def send(
-        self,
-        endpoint: KVEndpoint,
-        transfer_id: str,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        timeout: float = 30.0,
-    ) -> TransferStats:
-        started = time.perf_counter()
-        check_layout(self.cache, endpoint)
-        check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
+    def _send(
+        self, endpoint: KVEndpoint, transfer_id: str, src: list[int], dst: list[int],
+        timeout: float,
+    ) -> None:  # fmt: skip
         _use_device(self.cache)
         pair = self._pair(endpoint, timeout)
         storage = self.cache.storage
-        index = torch.tensor(src_block_ids, dtype=torch.long, device=storage.device)
+        index = torch.tensor(src, dtype=torch.long, device=storage.device)
         n_layers = storage.shape[0]
         with pair.lock:
             try:
                 pair.sock.settimeout(timeout)
-                write_frame(pair.sock, HEAD, transfer_id, n_layers, dst_block_ids)
-                for start, end in chunks(self.cache, len(src_block_ids), n_layers):
+                write_frame(pair.sock, HEAD, transfer_id, n_layers, dst)
+                for start, end in chunks(self.cache, len(src), n_layers):
                     data = storage[start:end].index_select(1, index)
                     pair.group.send([data], 1, _TAG).wait()
                 reply = read_frame(pair.sock)
             except (OSError, ConnectionError, RuntimeError) as exc:
                 self._drop(endpoint)
                 raise TransferError(f"KV transfer to {endpoint.address} failed: {exc}") from exc
-        if reply.kind != ACK:
-            reason = bytes(reply.payload).decode(errors="replace")
-            raise TransferError(f"receiver refused transfer {transfer_id}: {reason}")
-        return self._stats(len(src_block_ids), started)
+        check_reply(reply, transfer_id)
 
     def _pair(self, endpoint: KVEndpoint, timeout: float) -> _Pair:
         with self._guard:
@@ -230,7 +171,8 @@ class NcclSender(KVSender):
                 write_frame(sock, HELLO, name)
                 store = dist.TCPStore(host, int(store_port), None, False,
                                       datetime.timedelta(seconds=timeout))  # fmt: skip
-                group = _group(self.backend, dist.PrefixStore(name, store), 0, self.timeout)
+                group = _group(self.group_backend, dist.PrefixStore(name, store), 0,
+                               self.timeout)  # fmt: skip
                 if read_frame(sock).kind != ACK:
                     raise ConnectionError("receiver refused the pairing")
             except (OSError, ConnectionError, RuntimeError) as exc:

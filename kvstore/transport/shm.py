@@ -15,7 +15,6 @@ CPU caches only (GPU memory would need CUDA IPC handles).
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -27,9 +26,6 @@ from kvstore.transport.base import (
     KVSender,
     KVTransport,
     TransferError,
-    TransferStats,
-    check_ids,
-    check_layout,
     layer_chunks,
     layout_signature,
 )
@@ -63,34 +59,27 @@ class ShmReceiver(KVReceiver):
 
 
 class ShmSender(KVSender):
+    backend = "shm"
+
     def __init__(self, cache: KVCache) -> None:
         super().__init__(cache)
         self._maps: dict[str, torch.Tensor] = {}
 
-    def send(
-        self,
-        endpoint: KVEndpoint,
-        transfer_id: str,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        timeout: float = 30.0,
-    ) -> TransferStats:
-        started = time.perf_counter()
+    def _send(
+        self, endpoint: KVEndpoint, transfer_id: str, src: list[int], dst: list[int],
+        timeout: float,
+    ) -> None:  # fmt: skip
         dest = self._destination(endpoint)
-        check_ids(src_block_ids, dst_block_ids, dest.shape[1])
-        src = torch.tensor(src_block_ids, dtype=torch.long)
-        dst = torch.tensor(dst_block_ids, dtype=torch.long)
-        for start, end in layer_chunks(self.cache, len(src_block_ids)):
-            dest[start:end].index_copy_(1, dst, self.cache.storage[start:end].index_select(1, src))
+        src_ids = torch.tensor(src, dtype=torch.long)
+        dst_ids = torch.tensor(dst, dtype=torch.long)
+        for start, end in layer_chunks(self.cache, len(src)):
+            part = self.cache.storage[start:end].index_select(1, src_ids)
+            dest[start:end].index_copy_(1, dst_ids, part)
         if not pid_alive(endpoint.pid):
             self._drop(endpoint)
             raise TransferError(f"receiver pid {endpoint.pid} died during the transfer")
-        return self._stats(len(src_block_ids), started)
 
     def _destination(self, endpoint: KVEndpoint) -> torch.Tensor:
-        if endpoint.backend != "shm":
-            raise TransferError(f"shm sender given a {endpoint.backend} endpoint")
-        check_layout(self.cache, endpoint)
         if not pid_alive(endpoint.pid):
             self._drop(endpoint)
             raise TransferError(f"receiver pid {endpoint.pid} is gone")

@@ -21,7 +21,7 @@ import contextlib
 import socket
 import struct
 import threading
-import time
+from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,10 +35,7 @@ from kvstore.transport.base import (
     KVSender,
     KVTransport,
     TransferError,
-    TransferStats,
     block_bytes,
-    check_ids,
-    check_layout,
     layer_chunks,
     layout_signature,
 )
@@ -117,8 +114,11 @@ def _configure(sock: socket.socket) -> None:
 # ---- receiving ------------------------------------------------------------------------------
 
 
-class TcpReceiver(KVReceiver):
-    def __init__(self, cache: KVCache, host: str = "127.0.0.1") -> None:
+class SocketReceiver(KVReceiver):
+    """What the receivers that listen on a TCP socket share: the listener, one thread per
+    sender's connection (``_serve``), and the blocks each expected transfer may write."""
+
+    def __init__(self, cache: KVCache, host: str) -> None:
         self.cache = cache
         self._expected: dict[str, set[int]] = {}
         self._lock = threading.Lock()
@@ -126,11 +126,11 @@ class TcpReceiver(KVReceiver):
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._closed = False
-        port = self._listener.getsockname()[1]
-        self.endpoint = KVEndpoint(
-            "tcp", f"{host}:{port}", layout_signature(cache), cache.num_blocks
-        )
-        self._spawn(self._accept_loop, "kv-tcp-accept")
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+
+    def _listen(self) -> None:
+        self._spawn(self._accept_loop, "kv-accept")
 
     def expect(self, transfer_id: str, dst_block_ids: list[int]) -> None:
         with self._lock:
@@ -140,10 +140,10 @@ class TcpReceiver(KVReceiver):
         with self._lock:
             self._expected.pop(transfer_id, None)
 
-    def _allowed(self, transfer_id: str, ids: np.ndarray) -> bool:
+    def _allowed(self, transfer_id: str, ids: list[int]) -> bool:
         with self._lock:
             allowed = self._expected.get(transfer_id)
-            return allowed is not None and allowed.issuperset(ids.tolist())
+            return allowed is not None and allowed.issuperset(ids)
 
     def _spawn(self, target, name: str, *args) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -158,58 +158,20 @@ class TcpReceiver(KVReceiver):
                 return
             _configure(conn)
             self._conns.add(conn)
-            self._spawn(self._serve, "kv-tcp-conn", conn)
+            self._spawn(self._serve_conn, "kv-conn", conn)
 
-    def _serve(self, conn: socket.socket) -> None:
-        buffer = bytearray()
-        failed: dict[str, str] = {}
-        layers: dict[str, int] = {}  # layers written so far, per transfer
+    def _serve_conn(self, conn: socket.socket) -> None:
         try:
-            while True:
-                frame = read_frame(conn, buffer)
-                if frame.kind == DATA:
-                    written, problem = self._write(frame)
-                    if problem:
-                        failed.setdefault(frame.transfer_id, problem)
-                    else:
-                        layers[frame.transfer_id] = layers.get(frame.transfer_id, 0) + written
-                elif frame.kind == END:
-                    done = layers.pop(frame.transfer_id, 0)
-                    problem = failed.pop(frame.transfer_id, None)
-                    if problem is None and done != frame.layer:
-                        problem = f"got {done} of {frame.layer} layers"
-                    if problem is None:
-                        write_frame(conn, ACK, frame.transfer_id)
-                    else:
-                        write_frame(conn, NACK, frame.transfer_id, payload=problem.encode())
-                if len(frame.payload) > len(buffer):
-                    buffer = bytearray(len(frame.payload))
-        except (OSError, ConnectionError):
-            pass  # the sender went away: its partial transfers are simply dropped
+            self._serve(conn)
+        except (OSError, ConnectionError, RuntimeError):
+            pass  # the sender went away (or its group broke): its partial transfers drop
         finally:
             self._conns.discard(conn)
             conn.close()
 
-    def _write(self, frame: Frame) -> tuple[int, str | None]:
-        """Verify one frame (a run of layers from ``frame.layer``) and write it; returns
-        how many layers it held, or why it was refused."""
-        ids = frame.block_ids
-        if checksum(ids.tobytes(), frame.payload) != frame.checksum:
-            return 0, f"checksum mismatch in the frame of layer {frame.layer}"
-        if not self._allowed(frame.transfer_id, ids):
-            return 0, "transfer not expected (cancelled or timed out) or blocks not its own"
-        per_layer = len(ids) * block_bytes(self.cache.layout)
-        count, rest = divmod(len(frame.payload), per_layer) if per_layer else (0, 1)
-        if rest or not count or frame.layer + count > len(self.cache.layers):
-            return 0, "payload size does not match the block and layer counts"
-        part = self.cache.storage[frame.layer : frame.layer + count]
-        src = torch.frombuffer(frame.payload, dtype=torch.uint8).view(part.dtype)
-        src = src.view(count, len(ids), *part.shape[2:]).to(part.device)
-        index = torch.from_numpy(ids.astype(np.int64)).to(part.device)
-        part.index_copy_(1, index, src)
-        if part.is_cuda:  # the frame's buffer is reused once this returns
-            torch.cuda.current_stream(part.device).synchronize()
-        return count, None
+    @abstractmethod
+    def _serve(self, conn: socket.socket) -> None:
+        """Answer one sender's transfers on ``conn`` until it goes away."""
 
     def close(self) -> None:
         self._closed = True
@@ -223,42 +185,103 @@ class TcpReceiver(KVReceiver):
             thread.join(timeout=5)
 
 
+def answer(conn: socket.socket, transfer_id: str, problem: str | None) -> None:
+    """ACK the transfer, or NACK it with the problem."""
+    if problem is None:
+        write_frame(conn, ACK, transfer_id)
+    else:
+        write_frame(conn, NACK, transfer_id, payload=problem.encode())
+
+
+def check_reply(reply: Frame, transfer_id: str) -> None:
+    """Raise unless ``reply`` acknowledges ``transfer_id``."""
+    if reply.kind != ACK or reply.transfer_id != transfer_id:
+        reason = bytes(reply.payload).decode(errors="replace") or f"reply kind {reply.kind}"
+        raise TransferError(f"receiver refused transfer {transfer_id}: {reason}")
+
+
+NOT_EXPECTED = "transfer not expected (cancelled or timed out) or blocks not its own"
+
+
+class TcpReceiver(SocketReceiver):
+    def __init__(self, cache: KVCache, host: str = "127.0.0.1") -> None:
+        super().__init__(cache, host)
+        self.endpoint = KVEndpoint(
+            "tcp", f"{host}:{self.port}", layout_signature(cache), cache.num_blocks
+        )
+        self._listen()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buffer = bytearray()
+        failed: dict[str, str] = {}
+        layers: dict[str, int] = {}  # layers written so far, per transfer
+        while True:
+            frame = read_frame(conn, buffer)
+            if frame.kind == DATA:
+                written, problem = self._write(frame)
+                if problem:
+                    failed.setdefault(frame.transfer_id, problem)
+                else:
+                    layers[frame.transfer_id] = layers.get(frame.transfer_id, 0) + written
+            elif frame.kind == END:
+                done = layers.pop(frame.transfer_id, 0)
+                problem = failed.pop(frame.transfer_id, None)
+                if problem is None and done != frame.layer:
+                    problem = f"got {done} of {frame.layer} layers"
+                answer(conn, frame.transfer_id, problem)
+            if len(frame.payload) > len(buffer):
+                buffer = bytearray(len(frame.payload))
+
+    def _write(self, frame: Frame) -> tuple[int, str | None]:
+        """Verify one frame (a run of layers from ``frame.layer``) and write it; returns
+        how many layers it held, or why it was refused."""
+        ids = frame.block_ids
+        if checksum(ids.tobytes(), frame.payload) != frame.checksum:
+            return 0, f"checksum mismatch in the frame of layer {frame.layer}"
+        if not self._allowed(frame.transfer_id, ids.tolist()):
+            return 0, NOT_EXPECTED
+        per_layer = len(ids) * block_bytes(self.cache.layout)
+        count, rest = divmod(len(frame.payload), per_layer) if per_layer else (0, 1)
+        if rest or not count or frame.layer + count > len(self.cache.layers):
+            return 0, "payload size does not match the block and layer counts"
+        part = self.cache.storage[frame.layer : frame.layer + count]
+        src = torch.frombuffer(frame.payload, dtype=torch.uint8).view(part.dtype)
+        src = src.view(count, len(ids), *part.shape[2:]).to(part.device)
+        index = torch.from_numpy(ids.astype(np.int64)).to(part.device)
+        part.index_copy_(1, index, src)
+        if part.is_cuda:  # the frame's buffer is reused once this returns
+            torch.cuda.current_stream(part.device).synchronize()
+        return count, None
+
+
 # ---- sending ---------------------------------------------------------------------------------
 
 
 class TcpSender(KVSender):
+    backend = "tcp"
+
     def __init__(self, cache: KVCache) -> None:
         super().__init__(cache)
         self._conns: dict[str, socket.socket] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
-    def send(
-        self,
-        endpoint: KVEndpoint,
-        transfer_id: str,
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        timeout: float = 30.0,
-    ) -> TransferStats:
-        started = time.perf_counter()
-        check_layout(self.cache, endpoint)
-        check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
+    def _send(
+        self, endpoint: KVEndpoint, transfer_id: str, src: list[int], dst: list[int],
+        timeout: float,
+    ) -> None:  # fmt: skip
         with self._guard:
             lock = self._locks.setdefault(endpoint.address, threading.Lock())
         with lock:
             sock = self._connect(endpoint, timeout)
             try:
                 sock.settimeout(timeout)
-                self._stream(sock, transfer_id, src_block_ids, dst_block_ids)
+                self._stream(sock, transfer_id, src, dst)
                 reply = read_frame(sock)
             except (OSError, ConnectionError) as exc:
                 self._drop(endpoint)
                 raise TransferError(f"KV transfer to {endpoint.address} failed: {exc}") from exc
-        if reply.kind != ACK or reply.transfer_id != transfer_id:
-            reason = bytes(reply.payload).decode(errors="replace") or f"reply kind {reply.kind}"
-            raise TransferError(f"receiver refused transfer {transfer_id}: {reason}")
-        return self._stats(len(src_block_ids), started)
+        check_reply(reply, transfer_id)
 
     def _stream(self, sock: socket.socket, tid: str, src: list[int], dst: list[int]) -> None:
         storage = self.cache.storage
