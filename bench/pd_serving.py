@@ -12,6 +12,12 @@ the two workers move KV over tcp).
 Each topology is a fresh ``ferry serve`` on a free port (``--aggregated`` vs the
 default with ``--kv-transport`` shm and tcp); each load point is one ``ferry bench``
 run (random workload, streaming chat, ``ignore_eos``), whose summary is kept.
+
+``--baseline DIR`` also serves from another checkout (an older commit, e.g. made with
+``git worktree add DIR <commit>``): both servers of a topology run side by side and every
+load point is measured on the baseline and then on this checkout, so the two are
+compared in one run on the same machine state. Results then go under ``baseline`` and
+``current``.
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ def _ferry() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
 
 
-def serve(flags: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def serve(flags: list[str], log: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """``ferry serve`` from the checkout at ``root``, on a free port."""
+    command = _ferry() if root == ROOT else [sys.executable, "-m", "server.cli"]
     with log.open("wb") as f:
-        proc = subprocess.Popen([*_ferry(), "serve", "--port", "0", *flags], stdout=f,
-                                stderr=subprocess.STDOUT, cwd=ROOT)  # fmt: skip
+        proc = subprocess.Popen([*command, "serve", "--port", "0", *flags], stdout=f,
+                                stderr=subprocess.STDOUT, cwd=root)  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         match = _READY.search(log.read_text(errors="replace"))
@@ -61,6 +69,12 @@ def bench_point(url: str, concurrency: int, requests: int, args, out: Path) -> d
     return json.loads(out.read_text())["summary"]
 
 
+def _commit(root: Path) -> str:
+    out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)  # fmt: skip
+    return out.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -72,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topologies", nargs="+", default=["aggregated", "pd-shm", "pd-tcp"])
     parser.add_argument("--serve-flags", default="", help="more ferry serve flags, one string")
     parser.add_argument("--commit", help="commit to record (default: git's)")
+    parser.add_argument("--baseline", type=Path,
+                        help="another checkout to measure side by side (an older commit)")
     parser.add_argument("--out", default="bench/results/pd_vs_aggregated_cpu.json")
     args = parser.parse_args(argv)
     flags = {
@@ -83,21 +99,35 @@ def main(argv: list[str] | None = None) -> None:
     report = {**machine_info(), "args": vars(args), "topologies": {}}
     if args.commit:
         report["commit"] = args.commit
+    roots = {"current": ROOT} if args.baseline is None else {
+        "baseline": args.baseline.resolve(), "current": ROOT}  # fmt: skip
+    if args.baseline is not None:
+        report["baseline_commit"] = _commit(args.baseline)
+    results: dict[str, dict] = {name: {} for name in roots}
     for topo in args.topologies:
         common = ["--model", args.model, "--threads", str(args.threads), *args.serve_flags.split()]
-        proc, url = serve([*common, *flags[topo]], tmp / f"{topo}.log")
+        servers = {name: serve([*common, *flags[topo]], tmp / f"{name}-{topo}.log", root)
+                   for name, root in roots.items()}  # fmt: skip
         try:
-            points = {}
+            for name in roots:
+                results[name][topo] = {}
             for c, n in zip(args.concurrency, args.num_requests):
-                s = bench_point(url, c, n, args, tmp / f"{topo}-c{c}.json")
-                points[f"c{c}"] = s
-                print(f"{topo} c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl p50 "
-                      f"{s['itl_ms']['p50']:.1f} ms, output {s['output_throughput']:.0f} tok/s, "
-                      f"failed {s['failed']}", flush=True)  # fmt: skip
-            report["topologies"][topo] = points
+                for name, (_, url) in servers.items():
+                    s = bench_point(url, c, n, args, tmp / f"{name}-{topo}-c{c}.json")
+                    results[name][topo][f"c{c}"] = s
+                    print(f"{name} {topo} c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl "
+                          f"p50 {s['itl_ms']['p50']:.1f} ms, output "
+                          f"{s['output_throughput']:.0f} tok/s, failed {s['failed']}",
+                          flush=True)  # fmt: skip
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=60)
+    if args.baseline is None:
+        report["topologies"] = results["current"]
+    else:
+        report.pop("topologies")
+        report.update(results)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")
 

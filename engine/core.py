@@ -1,43 +1,34 @@
 """The engine core: schedule → execute → update, and the process that runs it.
 
-``EngineCore`` is usable in-process (tests, benchmarks). ``python -m engine.core``
-runs it in its own process behind the engine channel (``engine.messages``), so the
-frontend's HTTP handling, tokenization and detokenization never compete with the step
-loop for the GIL.
+``EngineCore`` is usable in-process (tests, benchmarks). ``python -m engine.core`` runs
+it in its own process as the aggregated engine, a role of the worker shell
+(``engine.worker``), so the frontend's HTTP handling, tokenization and detokenization
+never compete with the step loop for the GIL.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
-import os
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import torch
 
-from engine import envs
 from engine.attention import backend_for
 from engine.config import CacheConfig, EngineConfig
-from engine.ipc import worker_sockets
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiered import KVTiers
 from engine.loader import load_model
 from engine.messages import (
-    AbortRequests,
-    EngineFailed,
-    EngineOutputs,
-    EngineReady,
+    ENGINE,
+    Abort,
     EngineRequest,
     RequestOutput,
-    Shutdown,
-    decode_input,
-    encode,
+    WorkerReady,
+    WorkerStats,
 )
 from engine.plan import StepPlan
 from engine.request import Request
@@ -45,12 +36,16 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
 from engine.structured import GrammarCompiler, GrammarGate
+from engine.worker.config import WorkerConfig
+from engine.worker.shell import Outbox, WorkerRole
+from engine.worker.shell import main as worker_main
+from kvstore.events import KVEvent
 from kvstore.hashing import extra_keys
 from kvstore.layout import KVCache, KVCacheLayout
+from kvstore.transport.base import KVEndpoint
 
 log = logging.getLogger("ferry.engine")
 
-_IDLE_POLL_MS = 1000
 _GRAMMAR_POLL_S = 0.005  # with nothing to run but grammars compiling: how long a step waits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -199,8 +194,8 @@ class EngineCore:
 
     def _can_run_on(self, plan: StepPlan) -> bool:
         """Whether the next step can be planned before ``plan``'s tokens are known."""
-        if getattr(self.scheduler, "prefill_only", None):
-            return False  # a prefill worker ships its blocks as soon as a request ends
+        if not self.scheduler.overlappable:
+            return False
         for chunk in plan.chunks:
             req = self.scheduler.requests.get(chunk.request_id)
             if req is None:
@@ -211,6 +206,16 @@ class EngineCore:
                 return False
         return True
 
+    def drain_kv_events(self) -> list[KVEvent]:
+        """What the KV cache and its tiers gained or lost since the last call."""
+        return self.kv.pool.drain_events()
+
+    def ready(self, role: str, endpoint: KVEndpoint | None = None) -> WorkerReady:
+        """The ready message of a worker serving this engine as ``role``."""
+        cache = self.config.cache
+        return WorkerReady(role, cache.num_blocks, cache.block_size, self.max_model_len,
+                           self.model_name, self.hash_extra, endpoint)  # fmt: skip
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
@@ -218,62 +223,49 @@ class EngineCore:
 # -- the engine process ----------------------------------------------------------------------
 
 
-def serve(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Run an EngineCore behind ZMQ sockets until told to shut down."""
-    inbox, outbox = worker_sockets(input_addr, output_addr)
-    try:
-        core = EngineCore(config, progress=True)
-    except Exception as exc:  # report why we could not start, then exit
-        log.exception("engine failed to start")
-        outbox.send(encode(EngineFailed(f"{type(exc).__name__}: {exc}")))
-        return
-    outbox.send(
-        encode(
-            EngineReady(
-                core.config.cache.num_blocks,
-                core.config.cache.block_size,
-                core.max_model_len,
-                core.model_name,
-            )
-        )
-    )
-    _loop(core, inbox, outbox)
+class EngineRole(WorkerRole):
+    """The aggregated engine: every request prefilled and decoded here."""
 
+    role = "engine"
+    codec = ENGINE
 
-def _loop(core: EngineCore, inbox, outbox) -> None:
-    check = envs.DEBUG_INTEGRITY.get()
-    parent = os.getppid()
-    while True:
-        errors: list[RequestOutput] = []
-        if not core.has_work and not inbox.poll(_IDLE_POLL_MS):
-            if os.getppid() != parent:  # the frontend died without telling us
-                return
-            continue
-        while inbox.poll(0):
-            msg = decode_input(inbox.recv())
-            if isinstance(msg, Shutdown):
-                return
-            if isinstance(msg, AbortRequests):
-                core.abort(msg.request_ids)
-            elif isinstance(msg, EngineRequest):
-                err = core.add_request(msg)
-                if err is not None:
-                    errors.append(err)
-        outputs = errors + (core.step() if core.has_work else [])
-        outbox.send(encode(EngineOutputs(outputs, core.scheduler.stats(), time.time())))
-        if check and not core.has_work:
-            core.check_integrity()
+    def __init__(self, config: WorkerConfig) -> None:
+        self.core = EngineCore(config.engine, progress=True)
+        self._outbox = Outbox()
 
+    def ready(self) -> WorkerReady:
+        return self.core.ready(self.role)
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m engine.core")
-    parser.add_argument("--config", required=True, help="EngineConfig as JSON")
-    parser.add_argument("--input", required=True)
-    parser.add_argument("--output", required=True)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
-    serve(msgspec.json.decode(args.config, type=EngineConfig), args.input, args.output)
+    def handle(self, msg: msgspec.Struct) -> str | None:
+        if isinstance(msg, Abort):
+            self.core.abort(msg.request_ids)
+            self._outbox.ended += msg.request_ids
+            return None
+        err = self.core.add_request(msg)
+        if err is not None:
+            self._outbox.outputs.append(err)
+        return msg.request_id
+
+    @property
+    def busy(self) -> bool:
+        return self.core.has_work
+
+    def step(self) -> Outbox:
+        out, self._outbox = self._outbox, Outbox()
+        if self.core.has_work:
+            out.outputs += self.core.step()
+        out.stats = self.stats()
+        return out
+
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.core.scheduler.stats(), events=self.core.drain_kv_events(),
+                           draining=self.draining)  # fmt: skip
+
+    def check_integrity(self) -> None:
+        self.core.check_integrity()
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(EngineRole)
+
+

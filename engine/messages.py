@@ -1,15 +1,26 @@
-"""The engine channel: typed messages between the frontend and an engine process.
+"""The messages every worker channel carries, and the codec each channel is made of.
 
-Frontend → engine: ``EngineRequest``, ``AbortRequests``, ``Shutdown`` (one tagged union).
-Engine → frontend: ``EngineReady`` once, then ``EngineOutputs`` batches.
-Encoded with msgspec msgpack; nothing is pickled.
+A worker (``engine.worker``) serves one role: the aggregated engine (``engine.core``), a
+prefill worker (``prefill``), a decode worker (``decode``). Whatever the role:
+
+- frontend → worker: the role's own inputs (an ``EngineRequest`` here, or a role's
+  message that carries one), ``Abort`` and ``Shutdown``;
+- worker → frontend: ``WorkerReady`` (or ``WorkerFailed``) once, ``WorkerStats`` at
+  least once a second (with the KV events since the last), ``Outputs`` (tokens, with the
+  stats of the step that made them) and the role's own replies.
+
+``Codec`` adds these to a role's own message types; nothing is pickled.
 """
 
 from __future__ import annotations
 
+from typing import Union
+
 import msgspec
 
 from engine.sampling_params import SamplingParams
+from kvstore.events import KVEvent
+from kvstore.transport.base import KVEndpoint
 
 
 class EngineRequest(msgspec.Struct, tag=True, frozen=True):
@@ -23,15 +34,14 @@ class EngineRequest(msgspec.Struct, tag=True, frozen=True):
     output_token_ids: list[int] = []
 
 
-class AbortRequests(msgspec.Struct, tag=True, frozen=True):
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    """Stop these requests (a role answers what its protocol says it answers)."""
+
     request_ids: list[str]
 
 
 class Shutdown(msgspec.Struct, tag=True, frozen=True):
     pass
-
-
-EngineInput = EngineRequest | AbortRequests | Shutdown
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
@@ -80,37 +90,69 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_file_writes_dropped: int = 0  # the writer's queue was full
 
 
-class EngineOutputs(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]
-    stats: EngineStats | None = None
-    timestamp: float = 0.0
+class WorkerReady(msgspec.Struct, tag=True, frozen=True):
+    """A worker is up: what it serves and how much room it has."""
 
-
-class EngineReady(msgspec.Struct, tag=True, frozen=True):
+    role: str  # "engine" | "prefill" | "decode"
     num_blocks: int
     block_size: int
     max_model_len: int
     model_name: str
+    hash_extra: bytes = b""  # what its block hashes mix in (the router's prefix index)
+    endpoint: KVEndpoint | None = None  # where KV for it goes (a decode worker's receiver)
 
 
-class EngineFailed(msgspec.Struct, tag=True, frozen=True):
+class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
+    """A worker could not start; why."""
+
     message: str
 
 
-EngineMessage = EngineOutputs | EngineReady | EngineFailed
+class WorkerStats(msgspec.Struct, tag=True):
+    """A worker's state for the frontends' routing and metrics."""
 
-_input_decoder = msgspec.msgpack.Decoder(EngineInput)
-_message_decoder = msgspec.msgpack.Decoder(EngineMessage)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_input(data: bytes) -> EngineInput:
-    return _input_decoder.decode(data)
+    stats: EngineStats
+    num_transferring: int = 0  # requests whose KV is reserved for or in a transfer
+    events: list[KVEvent] = []  # since the previous stats message
+    tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
+    draining: bool = False  # finishing what it has; send it nothing new
 
 
-def decode_message(data: bytes) -> EngineMessage:
-    return _message_decoder.decode(data)
+class Outputs(msgspec.Struct, tag=True):
+    """New tokens of some requests (all of them one frontend's), and the worker's stats
+    after the step that made them."""
+
+    outputs: list[RequestOutput]
+    stats: WorkerStats | None = None
+
+
+def stats_of(msg: msgspec.Struct) -> WorkerStats | None:
+    """The worker stats ``msg`` carries, if any."""
+    if isinstance(msg, Outputs):
+        return msg.stats
+    return msg if isinstance(msg, WorkerStats) else None
+
+
+class Codec:
+    """The encoder and the two decoders of one role's channel: ``inputs`` are the role's
+    own messages to the worker, ``replies`` its own messages to frontends; the messages
+    every channel carries are added to both."""
+
+    def __init__(self, inputs: tuple[type, ...], replies: tuple[type, ...] = ()) -> None:
+        self._inputs = msgspec.msgpack.Decoder(Union[(*inputs, Abort, Shutdown)])  # noqa: UP007
+        self._replies = msgspec.msgpack.Decoder(
+            Union[(*replies, WorkerReady, WorkerFailed, WorkerStats, Outputs)]  # noqa: UP007
+        )
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode_input(self, data: bytes) -> msgspec.Struct:
+        return self._inputs.decode(data)
+
+    def decode_reply(self, data: bytes) -> msgspec.Struct:
+        return self._replies.decode(data)
+
+
+ENGINE = Codec((EngineRequest,))  # the aggregated engine's channel

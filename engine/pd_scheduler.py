@@ -1,18 +1,19 @@
-"""The scheduler with what prefill/decode disaggregation adds, as two small pieces.
+"""The scheduler with what prefill/decode disaggregation adds, one subclass per side.
 
-- **Prefill-only requests** (prefill worker, ``prefill_only``): they finish after their
-  first token with reason ``"prefilled"`` but keep their blocks, in ``held``, until the
+- ``PrefillScheduler`` (prefill worker): every request is prefill-only. It finishes after
+  its first token with reason ``"prefilled"`` but keeps its blocks (``held``) until the
   worker has shipped them and calls ``release``. Blocks shipped while the prompt is still
   being computed are ``pin``-ned for the duration of their send, so that neither a
-  preemption nor an abort can hand them to another request mid-send.
-- **Requests whose KV arrives from elsewhere** (decode worker, ``expect_kv``): on ``add``
-  a request whose uncached tail is longer than its threshold is not queued for compute;
-  it waits in ``reserving`` until ``reserve_pending`` can give it blocks for the whole
-  prompt up front (its own prefix-cache hits included, so only the rest needs sending),
-  then sits in ``incoming`` until ``admit_transferred`` enters it as running with the
-  prompt computed and the first token appended. Reserved blocks are published only on
-  admission, so no prefix match finds them before their content has landed. A short
-  tail is queued as an ordinary request: the decode worker prefills it itself.
+  preemption nor an abort can hand them to another request mid-send. Its steps never
+  overlap: the worker ships a request's blocks as soon as its step ends.
+- ``DecodeScheduler`` (decode worker): a request announced with ``expect_kv`` takes its
+  KV from elsewhere. On ``add``, when its uncached tail is longer than its threshold, it is
+  not queued for compute; it waits in ``reserving`` until ``reserve_pending`` can give it
+  blocks for the whole prompt up front (its own prefix-cache hits included, so only the
+  rest needs sending), then sits in ``incoming`` until ``admit_transferred`` enters it as
+  running with the prompt computed and the first token appended. Reserved blocks are
+  published only on admission, so no prefix match finds them before their content has
+  landed. A short tail is queued as an ordinary request: the decode worker prefills it.
 
 Everything else — budget, chunked prefill, preemption, stop rules — is ``Scheduler``'s.
 """
@@ -31,18 +32,24 @@ from engine.scheduler import Scheduler
 PREFILLED = "prefilled"
 
 
-class PDScheduler(Scheduler):
+class PrefillScheduler(Scheduler):
+    overlappable = False  # a request's blocks are shipped as soon as its step has run
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.prefill_only: set[str] = set()
         self.held: dict[str, Request] = {}
-        self._kv_expected: dict[str, int] = {}  # request id -> longest tail computed here
-        self.reserving: deque[Request] = deque()
-        self.incoming: dict[str, Request] = {}
-        self._admitted: list[NewRequest] = []
         self._pinned: list[list[Block]] = []
 
-    # -- prefill side --------------------------------------------------------------------
+    def computed_tokens(self, request_id: str) -> int | None:
+        """Tokens of a request's prompt computed so far (0 while it waits); None once it
+        has ended."""
+        req = self.requests.get(request_id)
+        return None if req is None else req.num_computed_tokens
+
+    def blocks(self, request_id: str) -> list[Block]:
+        """The blocks of a running or held request."""
+        req = self.held.get(request_id) or self.requests[request_id]
+        return req.blocks
 
     def pin(self, blocks: list[Block]) -> list[Block]:
         """Take an extra reference on ``blocks`` (a send reads them); ``unpin`` returns it."""
@@ -55,12 +62,47 @@ class PDScheduler(Scheduler):
         self.kv.pool.free(list(reversed(blocks)))
 
     def release(self, request_id: str) -> None:
-        """Free the blocks of a finished prefill-only request."""
+        """Free the blocks of a finished request (full ones stay in the prefix cache)."""
         req = self.held.pop(request_id, None)
         if req is not None:
             self.kv.free(req)
 
-    # -- decode side ---------------------------------------------------------------------
+    def stop(self, request_id: str) -> None:
+        """No KV will be delivered for it: stop computing it, give its blocks back (those
+        pinned by a running send stay so until it ends)."""
+        if request_id in self.held:
+            self.release(request_id)
+        else:
+            self.abort([request_id])
+
+    @property
+    def num_transferring(self) -> int:
+        return len(self.held)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        return super()._stop_reason(req, token) or PREFILLED
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if reason != PREFILLED:
+            super()._finish(req, reason)
+            return
+        blocks, req.blocks = req.blocks, []  # kept: the worker ships them, then releases
+        super()._finish(req, reason)
+        req.blocks = blocks
+        self.held[req.request_id] = req
+
+    def check_integrity(self) -> None:
+        holders = [r.blocks for r in (*self.requests.values(), *self.held.values())]
+        self.kv.check_integrity([*holders, *self._pinned])
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._kv_expected: dict[str, int] = {}  # request id -> longest tail computed here
+        self.reserving: deque[Request] = deque()
+        self.incoming: dict[str, Request] = {}
+        self._admitted: list[NewRequest] = []
 
     def expect_kv(self, request_id: str, local_prefill_tokens: int) -> None:
         """The next ``add`` of ``request_id`` takes its KV from a prefill worker, unless its
@@ -73,10 +115,7 @@ class PDScheduler(Scheduler):
 
     def add(self, req: Request) -> None:
         threshold = self._kv_expected.pop(req.request_id, None)
-        if threshold is None:
-            super().add(req)
-            return
-        if req.num_tokens - self.kv.match_prefix(req).num_tokens <= threshold:
+        if threshold is None or req.num_tokens - self.kv.match_prefix(req).num_tokens <= threshold:
             super().add(req)
             return
         if req.request_id in self.requests:
@@ -103,12 +142,15 @@ class PDScheduler(Scheduler):
         return reserved
 
     def admit_transferred(
-        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None
-    ) -> RequestOutput:
-        """The KV of ``request_id``'s prompt has landed: run it from its first token. When
+        self, request_id: str, first_token: int, logprob: TokenLogprob | None = None,
+        num_cached_tokens: int = 0,
+    ) -> RequestOutput:  # fmt: skip
+        """The KV of ``request_id``'s prompt has landed (``num_cached_tokens`` of it came
+        from the sender's caches): run it from its first token, whose output this is. When
         that token already ends it, the prefill worker has not sent (all of) the KV: the
         blocks are freed unpublished, so no prefix match can ever find what they hold."""
         req = self.incoming.pop(request_id)
+        req.num_cached_tokens = max(req.num_cached_tokens, num_cached_tokens)
         num_context = req.num_tokens  # the prompt, and a resumed request's outputs
         req.output_token_ids.append(first_token)
         reason = self._stop_reason(req, first_token)
@@ -132,8 +174,6 @@ class PDScheduler(Scheduler):
         )  # fmt: skip
         return out
 
-    # -- the base class's hooks ----------------------------------------------------------
-
     def schedule(self) -> StepPlan:
         plan = super().schedule()
         if self._admitted:
@@ -141,37 +181,13 @@ class PDScheduler(Scheduler):
             self._admitted = []
         return plan
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        reason = super()._stop_reason(req, token)
-        if reason is None and req.request_id in self.prefill_only:
-            return PREFILLED
-        return reason
-
     def _finish(self, req: Request, reason: str) -> None:
-        rid = req.request_id
-        self.prefill_only.discard(rid)
-        self.incoming.pop(rid, None)
+        self.incoming.pop(req.request_id, None)
         if req.status is Status.AWAITING_KV and req in self.reserving:
             self.reserving.remove(req)
-        self._admitted = [n for n in self._admitted if n.request_id != rid]
-        if reason != PREFILLED:
-            super()._finish(req, reason)
-            return
-        blocks, req.blocks = req.blocks, []  # kept: the worker ships them, then releases
+        self._admitted = [n for n in self._admitted if n.request_id != req.request_id]
         super()._finish(req, reason)
-        req.blocks = blocks
-        self.held[rid] = req
 
     @property
     def num_transferring(self) -> int:
-        return len(self.held) + len(self.incoming) + len(self.reserving)
-
-    def check_integrity(self) -> None:
-        holders: dict[int, int] = {}
-        owners = [r.blocks for r in (*self.requests.values(), *self.held.values())]
-        for blocks in (*owners, *self._pinned):
-            for block in blocks:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
-        self.kv.pool.check_integrity(holders)
-        if self.kv.tiers is not None:
-            self.kv.tiers.check_integrity()
+        return len(self.incoming) + len(self.reserving)

@@ -21,6 +21,9 @@ from engine.request import UNRESOLVED, Request, Status
 
 
 class Scheduler:
+    # whether the next step may be planned before this one's tokens are known (engine.core)
+    overlappable = True
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
         self.config = config
         self.kv = kv
@@ -228,4 +231,4 @@ class Scheduler:
         )
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity(list(self.requests.values()))
+        self.kv.check_integrity([r.blocks for r in self.requests.values()])

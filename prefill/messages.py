@@ -1,66 +1,46 @@
-"""The prefill channel: typed messages between the frontend and a prefill worker.
+"""The prefill channel: what a frontend and a prefill worker say besides what every worker
+channel carries (``engine.messages``).
 
-Frontend → worker: ``PrefillRequest``, ``AbortPrefill``, ``Shutdown``.
-Worker → frontend: ``PrefillReady`` (or ``WorkerFailed``) once, then ``PrefillDone`` /
-``PrefillFailed`` (exactly one per request: the decode worker waits for it before it
-frees the blocks it reserved) and ``PrefillStats`` after each step.
-msgspec msgpack; nothing is pickled.
+Frontend → worker: ``PrefillRequest`` (a request and where its KV goes), ``Abort``.
+Worker → frontend: exactly one ``PrefillDone`` or ``PrefillFailed`` per request, sent
+only when none of its sends is still running (the decode worker waits for it before it
+frees the blocks it reserved).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from engine.messages import EngineStats, TokenLogprob
-from engine.sampling_params import SamplingParams
-from kvstore.events import KVEvent
+from engine.messages import Codec, EngineRequest, RequestOutput
 from kvstore.transport.base import KVDestination
 
 
 class PrefillRequest(msgspec.Struct, tag=True, frozen=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    dest: KVDestination
-    arrival_time: float = 0.0
-    cache_salt: str = ""
-    output_token_ids: list[int] = []  # a resumed request's tokens so far (EngineRequest)
+    """Compute ``request``'s prompt (with a resumed request's outputs) and write its KV
+    into ``destination``."""
 
+    request: EngineRequest
+    destination: KVDestination
 
-class AbortPrefill(msgspec.Struct, tag=True, frozen=True):
-    request_ids: list[str]
-
-
-class Shutdown(msgspec.Struct, tag=True, frozen=True):
-    pass
-
-
-PrefillInput = PrefillRequest | AbortPrefill | Shutdown
-
-
-class PrefillReady(msgspec.Struct, tag=True, frozen=True):
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    model_name: str
-    hash_extra: bytes = b""  # what the worker's block hashes mix in (router's index)
-
-
-class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
-    message: str
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 class PrefillDone(msgspec.Struct, tag=True, frozen=True):
-    """The prompt's KV is in the decode worker's blocks; the first token is this."""
+    """The prompt's KV is in the decode worker's blocks. ``output`` is the first token as
+    the client gets it (``finish_reason`` set when that token already ends the request);
+    the rest are the transfer's figures."""
 
-    request_id: str
-    first_token: int
-    logprob: TokenLogprob | None
-    num_cached_tokens: int
+    output: RequestOutput
     num_blocks: int
     num_bytes: int
     seconds: float  # the transfer alone (its sends, summed)
     num_streamed_blocks: int = 0  # of num_blocks, sent while the prompt was still computing
+
+    @property
+    def request_id(self) -> str:
+        return self.output.request_id
 
 
 class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
@@ -72,28 +52,4 @@ class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
     retry: bool = False  # the request itself is fine: another prefill worker may do it
 
 
-class PrefillStats(msgspec.Struct, tag=True):
-    stats: EngineStats
-    num_transferring: int = 0
-    events: list[KVEvent] = []
-    tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
-    draining: bool = False  # finishing what it has; send it nothing new
-
-
-PrefillMessage = PrefillReady | WorkerFailed | PrefillDone | PrefillFailed | PrefillStats
-
-_input_decoder = msgspec.msgpack.Decoder(PrefillInput)
-_message_decoder = msgspec.msgpack.Decoder(PrefillMessage)
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_input(data: bytes) -> PrefillInput:
-    return _input_decoder.decode(data)
-
-
-def decode_message(data: bytes) -> PrefillMessage:
-    return _message_decoder.decode(data)
+CODEC = Codec((PrefillRequest,), (PrefillDone, PrefillFailed))

@@ -1,6 +1,6 @@
-"""The frontend's handle on the prefill and decode pools: what ``EngineClient`` is for
-the single-engine topology, with the same surface (``start``, ``generate``, ``abort``,
-``stats``, ``is_healthy``, ``shutdown``), so the server does not know the difference.
+"""The frontend's client of the disaggregated topology: one request's prefill/decode
+protocol, over the pools of ``router.pools``. It serves the server through the same
+``ServingClient`` surface as the aggregated engine's client (``engine.client``).
 
 A request, seen from here:
 
@@ -12,10 +12,11 @@ A request, seen from here:
    reserves blocks and answers ``KVWanted``; the prefill pool's policy then picks a
    prefill worker P (again from the index and the load this frontend has sent each
    worker) and this client sends it a ``PrefillRequest``.
-3. P computes the prompt, ships the KV into D's blocks and answers ``PrefillDone`` (or
-   ``PrefillFailed``); this client tells D ``KVReady`` (or ``KVFailed``) — always, also
-   when the client has left, because D frees the reserved blocks only then.
-4. D streams ``RequestOutput``s, first token first, into the request's queue.
+3. P computes the prompt, ships the KV into D's blocks and answers ``PrefillDone`` with
+   the first token (or ``PrefillFailed``). The token goes to the client at once; D is
+   told ``KVReady`` (or ``KVFailed``) — always, also when the client has left, because D
+   frees the reserved blocks only then.
+4. D streams the outputs from the second token on into the request's queue.
 
 Failures: a prefill that fails for a reason other than the request itself (its worker
 died, the transfer broke) is retried on another prefill worker, into the same reserved
@@ -25,46 +26,34 @@ worker gets the prompt plus the tokens already streamed as a resumed request
 prefix comes from whichever cache holds it, and the client's stream goes on from the
 next token, none lost or repeated. Each attempt has its own id on the worker channels
 (``wire_id``), so nothing of a dead attempt can mix into the next. Leaving ``generate``
-early aborts on both sides. Dead workers leave rotation and the index.
+early aborts on both sides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
-import socket
-import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgspec
-import zmq
-import zmq.asyncio
 
-from decode import messages as dm
+from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
 from engine.client import EngineDeadError
 from engine.config import EngineConfig
 from engine.loader import load_tokenizer, model_name
-from engine.messages import EngineStats, RequestOutput
+from engine.messages import Abort, EngineRequest, EngineStats, Outputs, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.hashing import BlockHash
-from prefill import messages as pm
+from prefill.messages import PrefillDone, PrefillFailed, PrefillRequest
 from router.config import PDConfig
-from router.metrics import TransferMetrics, WorkerQueueCollector
-from router.registry import RedisDirectory
+from router.metrics import TransferMetrics
+from router.pools import WorkerPools
 from router.routing import Router
 from router.workers import WorkerProcess
 
 log = logging.getLogger("ferry.router")
-
-_READY = {  # per role: the worker's ready message, and its failure to start
-    "prefill": (pm.PrefillReady, pm.WorkerFailed),
-    "decode": (dm.DecodeReady, pm.WorkerFailed),
-}
 
 MAX_ATTEMPTS = 4  # a request migrates at most this many times minus one
 
@@ -90,13 +79,18 @@ class _Route:
     def wire_id(self) -> str:
         return self.request_id if not self.attempt else f"{self.request_id}~{self.attempt}"
 
+    def engine_request(self, wire_id: str) -> EngineRequest:
+        """The request as a worker gets it: a resumed one carries what was streamed."""
+        return EngineRequest(wire_id, self.prompt, self.sampling, self.arrival,
+                             output_token_ids=list(self.emitted))  # fmt: skip
+
 
 @dataclass
 class _Transfer:
     """A prefill whose KV a decode worker waits for (outlives the route if the client
     leaves: the decode worker must still hear how it ended)."""
 
-    request: pm.PrefillRequest
+    request: PrefillRequest
     prefill: WorkerProcess
     decode: WorkerProcess
     queued_tokens: int
@@ -105,170 +99,63 @@ class _Transfer:
 
 class DisaggClient:
     def __init__(self, config: EngineConfig, pd: PDConfig) -> None:
-        if pd.transport == "nccl" and not config.device.startswith("cuda"):
+        if pd.transfer.transport == "nccl" and not config.device.startswith("cuda"):
             raise ValueError("the nccl KV transport needs GPU workers (--device cuda)")
         self.config = config
-        self.pd = pd
-        self.model_name = ""
-        self.max_model_len = 0
-        self.block_size = config.cache.block_size
-        self.num_blocks = 0
         self.tokenizer = None
         self.transfers = TransferMetrics()
         self.router = Router(pd.policy, config.cache.block_size)
         self.router_metrics = self.router.metrics
         self.index = self.router.index
+        self.pools = WorkerPools(config, pd, self.router, self.transfers, self._received,
+                                 self._died)  # fmt: skip
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
-        self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._tmp = tempfile.mkdtemp(prefix="ferry-")
-        self._ctx = zmq.asyncio.Context()
-        self.prefill: list[WorkerProcess] = []
-        self.decode: list[WorkerProcess] = []
-        self._joining: set[str] = set()
-        self.directory: RedisDirectory | None = None
-        self._directory_task: asyncio.Task | None = None
 
-    @property
-    def workers(self) -> list[WorkerProcess]:
-        return [*self.prefill, *self.decode]
-
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- the serving surface -------------------------------------------------------------------
 
     async def start(self, timeout: float = 900.0) -> None:
         """Spawn the configured workers (there may be none: workers can also join at
         runtime, ``add_worker``) and wait until they are ready."""
-        pd = self.pd
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.config.model))
-        self.model_name = model_name(self.config.model)
-        common = ["--transport", pd.transport, "--transfer-timeout", str(pd.transfer_timeout_s)]
-        d_args = [*common, "--local-prefill-tokens", str(pd.local_prefill_tokens),
-                  "--kv-host", pd.kv_host]  # fmt: skip
-        devices = iter(worker_devices(self.config.device, pd.num_prefill + pd.num_decode))
-        spawns = [(f"p{i}", "prefill", common) for i in range(pd.num_prefill)]
-        spawns += [(f"d{i}", "decode", d_args) for i in range(pd.num_decode)]
-        started = []
-        for name, role, args in spawns:
-            if pd.redis_url:  # registered for every frontend: the name must be unique
-                name = f"{self.frontend_id}/{name}"
-                args = [*args, "--redis", pd.redis_url, "--name", name, "--role", role]
-            worker = self._handle(name, role)
-            config = self.config.replace(device=next(devices))
-            ready, failed = _READY[role]
-            started.append(worker.spawn(f"{role}.worker", config, args, self._tmp, ready,
-                                        failed, timeout))  # fmt: skip
-            (self.prefill if role == "prefill" else self.decode).append(worker)
-        await asyncio.gather(*started)
+        self.pools.model_name = model_name(self.config.model)  # until a worker says
+        await self.pools.start(timeout)
         self.tokenizer = await tokenizer
-        for worker in self.workers:
-            self._enlist(worker)
-        if pd.redis_url:
-            self.directory = RedisDirectory(pd.redis_url, self._join, self.index.apply,
-                                            self._set_draining)  # fmt: skip
-            self._directory_task = asyncio.create_task(self.directory.run())
-
-    def _join(self, name: str, role: str, address: str) -> None:
-        """A worker found in the registry: attach it in the background."""
-        if any(w.name == name and w.alive for w in self.workers) or name in self._joining:
-            return
-        task = asyncio.create_task(self.add_worker(name, role, address))
-
-        def done(t: asyncio.Task) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                log.error("worker %s at %s could not join: %s", name, address, t.exception())
-
-        task.add_done_callback(done)
-
-    def _set_draining(self, name: str, draining: bool) -> None:
-        for w in self.workers:
-            if w.name == name and draining:
-                w.draining = True
-
-    def _handle(self, name: str, role: str) -> WorkerProcess:
-        decoder = pm.decode_message if role == "prefill" else dm.decode_message
-        return WorkerProcess(name, role, decoder, self._ctx, self.frontend_id.encode())
-
-    async def add_worker(self, name: str, role: str, address: str, timeout: float = 900.0):
-        """Attach a worker started elsewhere (``ferry worker``) listening on ``address``;
-        it takes requests once it is ready. A worker of the same name that is still
-        alive is kept (a repeated registration); a dead one is replaced."""
-        if role not in _READY:
-            raise ValueError(f"a worker's role is prefill or decode, not {role!r}")
-        pool = self.prefill if role == "prefill" else self.decode
-        old = next((w for w in self.workers if w.name == name), None)
-        if (old is not None and old.alive) or name in self._joining:
-            return old
-        worker = self._handle(name, role)
-        self._joining.add(name)
-        try:
-            await worker.connect(address, *_READY[role], timeout)
-        except BaseException:
-            await worker.shutdown(b"")
-            raise
-        finally:
-            self._joining.discard(name)
-        if old is not None:
-            for group in (self.prefill, self.decode):
-                if old in group:
-                    group.remove(old)
-        pool.append(worker)
-        self._enlist(worker)
-        log.info("%s worker %s joined from %s", role, name, address)
-        return worker
-
-    def _enlist(self, worker: WorkerProcess) -> None:
-        """Take a ready worker into rotation: the first one sets the model facts."""
-        ready = worker.ready
-        if self.max_model_len == 0:
-            self.block_size = self.router.block_size = ready.block_size
-            self.router.hash_extra = ready.hash_extra
-            self.model_name = ready.model_name
-        elif (ready.block_size, ready.hash_extra) != (self.block_size, self.router.hash_extra):
-            worker.leave(f"{worker.name} serves another model or block size")
-        self.max_model_len = min(w.ready.max_model_len for w in self.workers if w.ready)
-        self.num_blocks = sum(w.ready.num_blocks for w in self.workers if w.ready)
-        if worker.role == "prefill":
-            worker.run(self._on_prefill, self._on_prefill_death)
-        else:
-            worker.run(self._on_decode, self._on_decode_death)
 
     async def shutdown(self) -> None:
-        if self._directory_task is not None:
-            self._directory_task.cancel()
-            await asyncio.gather(self._directory_task, return_exceptions=True)
-            await self.directory.close()
-        await asyncio.gather(
-            *(w.shutdown(pm.encode(pm.Shutdown())) for w in self.workers), return_exceptions=True
-        )
-        self._ctx.term()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        await self.pools.shutdown()
+
+    def join(self, name: str, role: str, address: str) -> asyncio.Task:
+        """Attach the worker ``name`` listening on ``address`` in the background."""
+        return asyncio.create_task(self.pools.add_worker(name, role, address))
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return self.pools.workers
+
+    @property
+    def model_name(self) -> str:
+        return self.pools.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.pools.max_model_len
 
     @property
     def is_healthy(self) -> bool:
-        return any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
-
-    def health(self) -> dict:
-        health = {"healthy": self.is_healthy, "topology": "disaggregated",
-                  "transport": self.pd.transport,
-                  "workers": [w.describe() for w in self.workers]}  # fmt: skip
-        if self.directory is not None:
-            health["redis"] = {"connected": self.directory.connected,
-                               "events_read": self.directory.events_read}  # fmt: skip
-        return health
-
-    def collectors(self) -> list:
-        return [*self.transfers.collectors(), *self.router_metrics.collectors(),
-                WorkerQueueCollector(lambda: self.workers)]  # fmt: skip
+        return self.pools.is_healthy
 
     @property
     def stats(self) -> EngineStats:
-        """The workers' latest stats, summed (what the single-engine metrics show)."""
-        total: dict[str, int] = {}
-        for s in (w.stats for w in self.workers if w.stats is not None):
-            for k, v in msgspec.structs.asdict(s).items():
-                total[k] = total.get(k, 0) + v
-        return EngineStats(**total)
+        return self.pools.stats
+
+    def health(self) -> dict:
+        return self.pools.health()
+
+    def collectors(self) -> list:
+        return [*self.transfers.collectors(), *self.router_metrics.collectors(),
+                *self.pools.collectors()]  # fmt: skip
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -301,21 +188,18 @@ class DisaggClient:
     def _choose_decode(
         self, hashes: list[BlockHash], num_tokens: int, exclude: WorkerProcess | None = None
     ) -> WorkerProcess:
-        decode = [w for w in self.decode if w.alive and not w.draining and w is not exclude]
-        if not decode or not any(w.alive for w in self.prefill):
+        decode = self.pools.live("decode", exclude)
+        if not decode or not any(w.alive for w in self.pools.prefill):
             raise EngineDeadError("no live prefill/decode engine workers")
         return self.router.choose("decode", decode, hashes, num_tokens)[0]
 
     def _dispatch(self, route: _Route) -> None:
         """Send the route's current attempt to its decode worker."""
-        self._wire[route.wire_id] = route
+        wid = route.wire_id
+        self._wire[wid] = route
         route.decode.inflight += 1
         route.predicted_hit = self.router.hit_tokens(route.decode, route.hashes)
-        route.decode.send(
-            dm.DecodeRequest(route.wire_id, route.prompt, route.sampling, route.arrival,
-                             output_token_ids=list(route.emitted)),
-            dm.encode,
-        )  # fmt: skip
+        route.decode.send(DecodeRequest(route.engine_request(wid)))
 
     def _close(self, route: _Route) -> None:
         """The client is done with ``route``: stop counting it."""
@@ -332,32 +216,34 @@ class DisaggClient:
 
     def _abort(self, route: _Route) -> None:
         wid = route.wire_id
-        route.decode.send(dm.AbortDecode([wid]), dm.encode)
+        route.decode.send(Abort([wid]))
         pending = self._pending.get(wid)
         if pending is not None:
-            pending.prefill.send(pm.AbortPrefill([wid]), pm.encode)
+            pending.prefill.send(Abort([wid]))
 
     # -- worker messages --------------------------------------------------------------------
 
-    def _on_decode(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
-        if isinstance(msg, dm.DecodeOutputs):
-            if msg.stats is not None:
-                worker.stats = msg.stats
-            worker.num_transferring = msg.num_transferring
-            worker.draining = msg.draining
-            self._apply_events(worker, msg.events)
-            for out in msg.outputs:
-                wid = out.request_id
-                if out.finish_reason == "error" and wid in self._pending:
-                    # D gave up on the KV (its reservation expired): stop the prefill too
-                    self._settle(wid).prefill.send(pm.AbortPrefill([wid]), pm.encode)
-                route = self._wire.get(wid)
-                if route is not None and route.decode is worker:
-                    self._deliver(route, out)
-        elif isinstance(msg, dm.KVWanted):
+    def _received(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
+        if isinstance(msg, Outputs):
+            self._decoded(worker, msg.outputs)
+        elif isinstance(msg, KVWanted):
             self._want_kv(worker, msg)
+        elif isinstance(msg, PrefillDone | PrefillFailed):
+            self._prefilled(worker, msg)
+
+    def _decoded(self, worker: WorkerProcess, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            wid = out.request_id
+            if out.finish_reason == "error" and wid in self._pending:
+                # D gave up on the KV (its reservation expired): stop the prefill too
+                self._settle(wid).prefill.send(Abort([wid]))
+            route = self._wire.get(wid)
+            if route is not None and route.decode is worker:
+                self._deliver(route, out)
 
     def _deliver(self, route: _Route, out: RequestOutput) -> None:
+        if route.finished:
+            return  # the first token already ended it (the decode worker says so too)
         if not route.seen_first:
             route.seen_first = True
             self.router_metrics.hits(route.predicted_hit, out.num_cached_tokens)
@@ -370,29 +256,28 @@ class DisaggClient:
         route.finished = out.finish_reason is not None
         route.queue.put_nowait(out)
 
-    def _want_kv(self, decode: WorkerProcess, msg: dm.KVWanted) -> None:
+    def _want_kv(self, decode: WorkerProcess, msg: KVWanted) -> None:
         wid = msg.request_id
         route = self._wire.get(wid)
         if route is None:  # the client left before the blocks were reserved
-            decode.send(dm.KVFailed(wid, "request gone"), dm.encode)
+            decode.send(KVFailed(wid, "request gone"))
             return
-        request = pm.PrefillRequest(wid, route.prompt, route.sampling, msg.dest, route.arrival,
-                                    output_token_ids=list(route.emitted))  # fmt: skip
+        request = PrefillRequest(route.engine_request(wid), msg.destination)
         self._send_prefill(request, decode, set(), route.hashes)
 
     def _send_prefill(
-        self, request: pm.PrefillRequest, decode: WorkerProcess, tried: set[str],
+        self, request: PrefillRequest, decode: WorkerProcess, tried: set[str],
         hashes: list[BlockHash],
     ) -> None:  # fmt: skip
-        """Have a prefill worker not in ``tried`` fill ``request.dest``; tell ``decode``
-        KVFailed if none is left."""
+        """Have a prefill worker not in ``tried`` fill the request's destination; tell
+        ``decode`` KVFailed if none is left."""
         wid = request.request_id
-        live = [w for w in self.prefill if w.alive and not w.draining and w.name not in tried]
+        live = [w for w in self.pools.live("prefill") if w.name not in tried]
         if not live:
-            decode.send(dm.KVFailed(wid, "no live prefill worker could compute the prompt"),
-                        dm.encode)  # fmt: skip
+            decode.send(KVFailed(wid, "no live prefill worker could compute the prompt"))
             return
-        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+        engine_request = request.request
+        num_tokens = len(engine_request.prompt_token_ids) + len(engine_request.output_token_ids)
         prefill, hit = self.router.choose("prefill", live, hashes, num_tokens)
         queued = max(0, num_tokens - hit)
         prefill.inflight += 1
@@ -401,7 +286,7 @@ class DisaggClient:
         route = self._wire.get(wid)
         if route is not None:
             route.predicted_hit = max(route.predicted_hit, hit)
-        prefill.send(request, pm.encode)
+        prefill.send(request)
 
     def _settle(self, wid: str) -> _Transfer:
         transfer = self._pending.pop(wid)
@@ -409,38 +294,41 @@ class DisaggClient:
         transfer.prefill.queued_tokens -= transfer.queued_tokens
         return transfer
 
-    def _on_prefill(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
-        if isinstance(msg, pm.PrefillStats):
-            worker.stats = msg.stats
-            worker.num_transferring = msg.num_transferring
-            worker.tokens_per_s = msg.tokens_per_s
-            worker.draining = msg.draining
-            self._apply_events(worker, msg.events)
-            return
-        if not isinstance(msg, pm.PrefillDone | pm.PrefillFailed):
-            return
+    def _prefilled(self, worker: WorkerProcess, msg: PrefillDone | PrefillFailed) -> None:
         wid = msg.request_id
         if wid not in self._pending or self._pending[wid].prefill is not worker:
             return
         transfer = self._settle(wid)
         decode = transfer.decode
-        if isinstance(msg, pm.PrefillDone):
+        if isinstance(msg, PrefillDone):
             self.transfers.record(msg.num_blocks, msg.num_bytes, msg.seconds,
                                   msg.num_streamed_blocks)  # fmt: skip
-            decode.send(dm.KVReady(wid, msg.first_token, msg.logprob, msg.num_cached_tokens),
-                        dm.encode)  # fmt: skip
+            self._first_token(wid, transfer, msg.output)
+            decode.send(KVReady(msg.output))
             return
         if not msg.aborted:
             self.transfers.failures.inc()
         if msg.retry and wid in self._wire:
             self._retry_prefill(transfer, msg.error)
         else:
-            decode.send(dm.KVFailed(wid, msg.error), dm.encode)
+            decode.send(KVFailed(wid, msg.error))
+
+    def _first_token(self, wid: str, transfer: _Transfer, out: RequestOutput) -> None:
+        """The client gets the first token straight from the prefill worker: the decode
+        worker, told the KV is ready, goes on from the second. Cached tokens count what
+        either worker already held."""
+        route = self._wire.get(wid)
+        if route is None or route.decode is not transfer.decode:
+            return
+        held = transfer.request.destination.skip_blocks * self.pools.block_size
+        if held > out.num_cached_tokens:
+            out = msgspec.structs.replace(out, num_cached_tokens=held)
+        self._deliver(route, out)
 
     def _retry_prefill(self, transfer: _Transfer, error: str) -> None:
         wid = transfer.request.request_id
-        if time.time() > transfer.request.dest.deadline:
-            transfer.decode.send(dm.KVFailed(wid, error), dm.encode)
+        if time.time() > transfer.request.destination.deadline:
+            transfer.decode.send(KVFailed(wid, error))
             return
         log.warning("prefill of %s on %s failed (%s); retrying elsewhere", wid,
                     transfer.prefill.name, error)  # fmt: skip
@@ -449,19 +337,18 @@ class DisaggClient:
         hashes = route.hashes if route is not None else []
         self._send_prefill(transfer.request, transfer.decode, transfer.tried, hashes)
 
-    def _apply_events(self, worker: WorkerProcess, events: list) -> None:
-        if events and self.directory is None:  # with Redis, the index follows its stream
-            self.index.apply(worker.name, events)
-        for e in events:
-            self.transfers.kv_events.labels(worker.role, e.kind).inc()
-
     # -- deaths -------------------------------------------------------------------------------
 
-    def _on_decode_death(self, worker: WorkerProcess) -> None:
-        self.index.remove_worker(worker.name)
+    def _died(self, worker: WorkerProcess) -> None:
+        if worker.role == "decode":
+            self._decode_died(worker)
+        else:
+            self._prefill_died(worker)
+
+    def _decode_died(self, worker: WorkerProcess) -> None:
         for wid, transfer in list(self._pending.items()):
             if transfer.decode is worker:
-                self._settle(wid).prefill.send(pm.AbortPrefill([wid]), pm.encode)
+                self._settle(wid).prefill.send(Abort([wid]))
         for route in [r for r in self._wire.values() if r.decode is worker]:
             self._migrate(route, f"{worker.dead} (its engine process died)")
 
@@ -487,27 +374,13 @@ class DisaggClient:
         route.attempt += 1
         self._dispatch(route)
 
-    def _on_prefill_death(self, worker: WorkerProcess) -> None:
-        self.index.remove_worker(worker.name)
+    def _prefill_died(self, worker: WorkerProcess) -> None:
         for wid, transfer in list(self._pending.items()):
             if transfer.prefill is worker:
                 self._settle(wid)
                 self.transfers.failures.inc()
+                why = f"{worker.dead} before the KV arrived"
                 if wid in self._wire:
-                    self._retry_prefill(transfer, f"{worker.dead} before the KV arrived")
+                    self._retry_prefill(transfer, why)
                 else:
-                    transfer.decode.send(dm.KVFailed(wid, f"{worker.dead} before the KV "
-                                                          "arrived"), dm.encode)  # fmt: skip
-
-
-def worker_devices(device: str, count: int) -> list[str]:
-    """One device per worker: a bare ``cuda`` spreads the workers over the visible GPUs in
-    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all."""
-    if device != "cuda":
-        return [device] * count
-    import torch
-
-    n = torch.cuda.device_count()
-    if n == 0:
-        raise ValueError("--device cuda, but no GPU is visible")
-    return [f"cuda:{i % n}" for i in range(count)]
+                    transfer.decode.send(KVFailed(wid, why))

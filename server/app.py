@@ -23,18 +23,19 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.client import ServingClient, WorkerRefused
 from server import errors
 from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from server.serving import ChatRenderer, CompletionRenderer, EngineLike, Serving
+from server.serving import ChatRenderer, CompletionRenderer, Serving
 
 log = logging.getLogger("ferry.server")
 
@@ -48,19 +49,9 @@ _ENDPOINTS = {
 }  # fmt: skip
 
 
-class EngineLifecycle(EngineLike, Protocol):
-    """An engine client the app starts and stops (``engine.client.EngineClient``)."""
-
-    model_name: str
-
-    async def start(self) -> None: ...
-
-    async def shutdown(self) -> None: ...
-
-
-def create_app(config: ServerConfig, client: EngineLifecycle) -> FastAPI:
-    metrics = Metrics(lambda: getattr(client, "stats", None))
-    for collector in getattr(client, "collectors", list)():  # a worker pool's own metrics
+def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
+    metrics = Metrics(lambda: client.stats)
+    for collector in client.collectors():  # a worker pool's own metrics
         metrics.registry.register(collector)
 
     @asynccontextmanager
@@ -99,9 +90,10 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> Response:
         client = request.app.state.client
         status = 200 if client.is_healthy else 503
-        if hasattr(client, "health"):  # a worker pool: which workers are alive
-            return Response(json.dumps(client.health()), status, media_type="application/json")
-        return Response(status_code=status)
+        body = client.health()  # with worker pools: which workers are alive
+        if body is None:
+            return Response(status_code=status)
+        return Response(json.dumps(body), status, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -121,12 +113,11 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/internal/workers")
     async def join(request: Request) -> Response:
         client = request.app.state.client
-        if not hasattr(client, "add_worker"):
-            raise errors.invalid_request("this server runs one engine (--aggregated): "
-                                         "no worker can join it")  # fmt: skip
         body = await parse_body(request, WorkerAnnouncement)
-        task = asyncio.create_task(client.add_worker(body.name, body.role, body.address))
-        task.add_done_callback(_log_join)
+        try:
+            client.join(body.name, body.role, body.address).add_done_callback(_log_join)
+        except WorkerRefused as exc:
+            raise errors.invalid_request(str(exc)) from exc
         return Response(json.dumps({"name": body.name, "status": "connecting"}), 202,
                         media_type="application/json")  # fmt: skip
 

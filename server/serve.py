@@ -20,6 +20,7 @@ from typing import Any
 
 from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
+from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.policies import POLICIES
 from server.config import ServerConfig
@@ -59,11 +60,14 @@ def add_transfer_flags(group: Any) -> None:
     group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"],
                        help="how KV moves from prefill to decode workers (default: shm on "
                             "the CPU, tcp on CUDA; nccl between workers on different GPUs)")
-    group.add_argument("--local-prefill-tokens", type=int, default=16,
+    group.add_argument("--local-prefill-tokens", type=int,
+                       default=TransferConfig.local_prefill_tokens,
                        help="a decode worker prefills a prompt itself when at most this many "
                             "of its tokens are not in its prefix cache")
-    group.add_argument("--kv-transfer-timeout", type=float, default=120.0,
+    group.add_argument("--kv-transfer-timeout", type=float, default=TransferConfig.timeout_s,
                        help="seconds a decode worker keeps blocks reserved for KV to arrive")
+    group.add_argument("--kv-host", default=TransferConfig.kv_host,
+                       help="address the KV receivers of decode workers bind")
     # fmt: skip
 
 
@@ -209,11 +213,19 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
     return PDConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
-        transport=kv_transport(args),
-        local_prefill_tokens=args.local_prefill_tokens,
-        transfer_timeout_s=args.kv_transfer_timeout,
+        transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
+    )
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    """How KV moves, from the transfer flags (``add_transfer_flags``)."""
+    return TransferConfig(
+        transport=kv_transport(args),
+        timeout_s=args.kv_transfer_timeout,
+        local_prefill_tokens=args.local_prefill_tokens,
+        kv_host=args.kv_host,
     )
 
 

@@ -21,9 +21,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from engine.client import EngineDeadError
+from engine.client import EngineDeadError, ServingClient
 from engine.messages import RequestOutput, TokenLogprob
 from engine.sampling_params import GrammarSpec, SamplingParams
 from server.errors import APIError, engine_unavailable, invalid_request, model_not_found
@@ -62,18 +62,6 @@ SSE_DONE = "data: [DONE]\n\n"
 log = logging.getLogger("ferry.server")
 
 T = TypeVar("T")
-
-
-class EngineLike(Protocol):
-    """What serving needs from ``engine.client.EngineClient``."""
-
-    tokenizer: Any
-    max_model_len: int
-    is_healthy: bool
-
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
 
 
 # ---- jobs and events ------------------------------------------------------------------
@@ -148,7 +136,7 @@ class Tally:
 class Serving:
     """Validation, fan-out and detokenization shared by chat and completions."""
 
-    def __init__(self, client: EngineLike, metrics: Metrics, model_name: str) -> None:
+    def __init__(self, client: ServingClient, metrics: Metrics, model_name: str) -> None:
         self.client = client
         self.metrics = metrics
         self.model_name = model_name

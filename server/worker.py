@@ -3,7 +3,7 @@
 The worker binds its channel (``--listen``, a ZMQ address frontends can reach), loads
 the model, and announces itself: to each ``--frontend`` URL (``POST /internal/workers``,
 retried until it is accepted) and, with ``--redis``, in the worker registry there, where
-every frontend on that Redis finds it (``router.registry``). Frontends then connect and
+every frontend on that Redis finds it (``kvstore.registry``). Frontends then connect and
 route requests to it like to the workers they started themselves. SIGTERM or SIGINT
 drains it: it tells its frontends to send nothing new, finishes what it has, and exits.
 Workers exchange KV directly, so every worker of a deployment uses the same
@@ -43,23 +43,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--redis", metavar="URL",
                    help="register in this Redis and publish KV events there")
     p.add_argument("--api-key", help=f"the frontends' API key (or ${envs.API_KEY.name})")
-    p.add_argument("--kv-host", default="127.0.0.1",
-                   help="decode workers: address the KV receiver binds")
     serve.add_engine_flags(p)
     serve.add_transfer_flags(p)
     return p  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.ipc import WorkerChannel, run_on_channel
+    from engine.worker.channel import WorkerChannel
+    from engine.worker.config import WorkerConfig
+    from engine.worker.shell import serve as serve_role
+
+    if args.role == "prefill":
+        from prefill.worker import PrefillWorker as role
+    else:
+        from decode.worker import DecodeWorker as role
 
     logging.basicConfig(level=(args.log_level or envs.LOG_LEVEL.get()).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     if not args.frontend and not args.redis:
         log.warning("no --frontend and no --redis: no frontend will find this worker")
-    config = serve.engine_config(args)
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
-    channel = WorkerChannel(args.listen)
+    channel = WorkerChannel(args.listen, role.codec)
+    config = WorkerConfig(args.role, serve.engine_config(args), serve.transfer_config(args),
+                          listen=channel.address, name=name, redis_url=args.redis or "")
     drain = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: drain.set())
@@ -69,17 +75,7 @@ def run(args: argparse.Namespace) -> int:
         threading.Thread(target=announce, args=(url, announcement, key, drain),
                          daemon=True).start()  # fmt: skip
     print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
-    worker_args = argparse.Namespace(
-        transport=serve.kv_transport(args), transfer_timeout=args.kv_transfer_timeout,
-        local_prefill_tokens=args.local_prefill_tokens, kv_host=args.kv_host,
-        exit_with_parent=False,
-    )  # fmt: skip
-    if args.role == "prefill":
-        from prefill.worker import serve as serve_worker
-    else:
-        from decode.worker import serve as serve_worker
-    run_on_channel(serve_worker, config, channel, worker_args, args.redis, name, args.role,
-                   drain)  # fmt: skip
+    serve_role(role, config, channel, drain)
     return 0
 
 

@@ -138,11 +138,12 @@ class KVCacheManager:
             stats.update(self.tiers.stats())
         return stats
 
-    def check_integrity(self, requests: list[Request]) -> None:
-        """Every block is held exactly by the requests that list it; all others are free."""
+    def check_integrity(self, holders_blocks: list[list[Block]]) -> None:
+        """Every block is held exactly by the holders that list it (a request's blocks, a
+        running send's); all others are free."""
         holders: dict[int, int] = {}
-        for req in requests:
-            for block in req.blocks:
+        for blocks in holders_blocks:
+            for block in blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
         self.pool.check_integrity(holders)
         if self.tiers is not None:

@@ -12,7 +12,7 @@ from engine.config import SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiered import KVTiers, block_meta
-from engine.pd_scheduler import PDScheduler
+from engine.pd_scheduler import DecodeScheduler
 from engine.plan import StepResult
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -166,7 +166,7 @@ def test_decode_side_reservation_counts_and_loads_file_hits(tmp_path):
     first = Engine(num_blocks=32, tmp_path=tmp_path)
     first.run("a", PROMPT_A)
     first.close()
-    d = Engine(num_blocks=32, tmp_path=tmp_path, cls=PDScheduler)
+    d = Engine(num_blocks=32, tmp_path=tmp_path, cls=DecodeScheduler)
     long_prompt = PROMPT_A + list(range(300, 340))  # 16 tokens on file, 41 to receive
     d.sched.expect_kv("r", local_prefill_tokens=16)
     req = Request("r", long_prompt, SamplingParams(max_tokens=4))

@@ -1,12 +1,13 @@
-"""PDScheduler: prefill-only requests keep their blocks until released; requests whose KV
-arrives from elsewhere reserve blocks up front and run from their first token."""
+"""The P/D schedulers: a prefill worker's requests keep their blocks until released; a
+decode worker's requests whose KV arrives from elsewhere reserve blocks up front and run
+from their first token."""
 
 from __future__ import annotations
 
 from engine.config import SchedulerConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
-from engine.pd_scheduler import PREFILLED, PDScheduler
+from engine.pd_scheduler import PREFILLED, DecodeScheduler, PrefillScheduler
 from engine.plan import StepResult
 from engine.request import Request, Status
 from engine.sampling_params import SamplingParams
@@ -14,9 +15,9 @@ from engine.sampling_params import SamplingParams
 BS = 4
 
 
-def make(num_blocks: int = 32, budget: int = 64) -> PDScheduler:
+def make(num_blocks: int = 32, budget: int = 64, cls=DecodeScheduler):
     kv = KVCacheManager(BlockPool(num_blocks), BS)
-    return PDScheduler(SchedulerConfig(max_num_batched_tokens=budget), kv, 1000)
+    return cls(SchedulerConfig(max_num_batched_tokens=budget), kv, 1000)
 
 
 def req(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> Request:
@@ -24,22 +25,20 @@ def req(rid: str, n: int, max_tokens: int = 8, base: int = 0) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
-def step(s: PDScheduler, token: int = 7):
+def step(s, token: int = 7):
     plan = s.schedule()
     sampled = {c.request_id: token for c in plan.chunks if c.sample}
     return plan, s.update(plan, StepResult(sampled))
 
 
 def test_prefill_only_finishes_after_first_token_and_holds_blocks():
-    s = make(budget=8)
-    s.prefill_only.add("a")
+    s = make(budget=8, cls=PrefillScheduler)
     s.add(req("a", 10))
     outs = []
     while s.has_work:
         outs += step(s)[1]
     assert [(o.new_token_ids, o.finish_reason) for o in outs] == [([7], PREFILLED)]
-    held = s.held["a"]
-    assert len(held.blocks) == 3  # 10 tokens
+    assert len(s.blocks("a")) == 3  # 10 tokens
     s.check_integrity()
     assert s.kv.pool.num_free == 31 - 3
     s.release("a")
@@ -50,8 +49,7 @@ def test_prefill_only_finishes_after_first_token_and_holds_blocks():
 
 
 def test_aborting_a_prefill_only_request_mid_prefill_frees_it():
-    s = make(budget=4)
-    s.prefill_only.add("a")
+    s = make(budget=4, cls=PrefillScheduler)
     s.add(req("a", 10))
     step(s)
     s.abort(["a"])

@@ -19,6 +19,7 @@ import pytest_asyncio
 from engine.client import EngineClient, EngineDeadError
 from engine.config import CacheConfig, EngineConfig
 from engine.sampling_params import SamplingParams
+from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.disagg import DisaggClient
 
@@ -98,7 +99,8 @@ async def reference():
 async def test_greedy_outputs_match_the_aggregated_engine(reference, transport, local):
     prompts, expected = reference
     config = EngineConfig(model="default", num_threads=1)
-    client = DisaggClient(config, PDConfig(transport=transport, local_prefill_tokens=local))
+    transfer = TransferConfig(transport, local_prefill_tokens=local)
+    client = DisaggClient(config, PDConfig(transfer=transfer))
     await client.start()
     try:
         got = [await collect(client, f"d{i}", p) for i, p in enumerate(prompts)]
@@ -115,7 +117,7 @@ async def test_greedy_outputs_match_the_aggregated_engine(reference, transport, 
 
 
 async def test_killing_the_decode_worker_mid_stream_fails_the_stream_quickly():
-    client = DisaggClient(tiny(), PDConfig(local_prefill_tokens=0))
+    client = DisaggClient(tiny(), PDConfig(transfer=TransferConfig(local_prefill_tokens=0)))
     await client.start()
     try:
         long = SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)
@@ -126,7 +128,7 @@ async def test_killing_the_decode_worker_mid_stream_fails_the_stream_quickly():
             async for out in stream:
                 seen += len(out.new_token_ids)
                 if seen >= 3 and started is None:
-                    os.kill(client.decode[0].proc.pid, signal.SIGKILL)
+                    os.kill(client.pools.decode[0].proc.pid, signal.SIGKILL)
                     started = time.monotonic()
         assert time.monotonic() - started < 5
         assert not client.is_healthy
@@ -134,7 +136,7 @@ async def test_killing_the_decode_worker_mid_stream_fails_the_stream_quickly():
         with pytest.raises(EngineDeadError):
             await collect(client, "y", [1, 2, 3])
         await wait_idle(client)  # the prefill worker survives with nothing held
-        assert client.prefill[0].alive
+        assert client.pools.prefill[0].alive
     finally:
         await client.shutdown()
 
@@ -142,7 +144,7 @@ async def test_killing_the_decode_worker_mid_stream_fails_the_stream_quickly():
 async def test_killing_the_prefill_worker_before_the_transfer_fails_cleanly():
     # a prompt long enough that the prefill is still running when the worker dies
     config = tiny().replace(scheduler=tiny().scheduler.__class__(max_num_batched_tokens=8))
-    client = DisaggClient(config, PDConfig(local_prefill_tokens=0))
+    client = DisaggClient(config, PDConfig(transfer=TransferConfig(local_prefill_tokens=0)))
     await client.start()
     try:
         stream = client.generate("x", [1 + i % 250 for i in range(900)], GREEDY)
@@ -151,20 +153,20 @@ async def test_killing_the_prefill_worker_before_the_transfer_fails_cleanly():
         while "x" not in client._pending and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         assert "x" in client._pending  # the prefill worker has it; no KV has moved
-        os.kill(client.prefill[0].proc.pid, signal.SIGKILL)
+        os.kill(client.pools.prefill[0].proc.pid, signal.SIGKILL)
         started = time.monotonic()
         out = await asyncio.wait_for(task, 10)
         assert out.finish_reason == "error" and "prefill" in out.error
         assert time.monotonic() - started < 5
         await stream.aclose()
         await wait_idle(client)  # the decode worker freed the reserved blocks
-        assert client.decode[0].alive and not client.is_healthy
+        assert client.pools.decode[0].alive and not client.is_healthy
     finally:
         await client.shutdown()
 
 
 async def test_200_requests_with_random_cancels_leak_no_blocks():
-    client = DisaggClient(tiny(), PDConfig(local_prefill_tokens=8))
+    client = DisaggClient(tiny(), PDConfig(transfer=TransferConfig(local_prefill_tokens=8)))
     await client.start()
     rng = random.Random(7)
     gate = asyncio.Semaphore(16)

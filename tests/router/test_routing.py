@@ -15,6 +15,7 @@ import pytest
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.sampling_params import SamplingParams
+from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.disagg import DisaggClient
 
@@ -108,7 +109,7 @@ async def test_killing_a_decode_worker_mid_stream_migrates_its_requests_without_
             *(run(client, f"ref{i}", p, max_tokens=40) for i, p in enumerate(prompts))
         )
         seen = Counter()
-        victim = client.decode[0]
+        victim = client.pools.decode[0]
         killed = asyncio.Event()
 
         async def stream(i: int) -> list[int]:
@@ -135,8 +136,8 @@ async def test_a_prefill_worker_dying_mid_prompt_is_retried_on_the_other():
     config = EngineConfig(model="dummy:tiny", num_threads=1,
                           cache=CacheConfig(num_blocks=1024, block_size=4),
                           scheduler=SchedulerConfig(max_num_batched_tokens=8))  # fmt: skip
-    client = DisaggClient(config, PDConfig(num_prefill=2, num_decode=1, local_prefill_tokens=0,
-                                           policy="round_robin"))  # fmt: skip
+    client = DisaggClient(config, PDConfig(num_prefill=2, num_decode=1, policy="round_robin",
+                                           transfer=TransferConfig(local_prefill_tokens=0)))
     await client.start()
     prompt = [1 + i % 250 for i in range(600)]
     try:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from router.disagg import worker_devices
+from router.pools import worker_devices
 
 
 def test_cpu_and_explicit_devices_are_shared_by_every_worker():

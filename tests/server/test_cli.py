@@ -67,9 +67,10 @@ def test_cuda_keeps_kv_in_host_memory_and_uses_files_only_when_given_a_directory
 
 
 def test_kv_transport_defaults_to_one_the_device_can_use():
-    assert serve.pd_config(parse()).transport == "shm"  # shared CPU memory
-    assert serve.pd_config(parse("--device", "cuda")).transport == "tcp"
-    assert serve.pd_config(parse("--device", "cuda", "--kv-transport", "nccl")).transport == "nccl"
+    assert serve.pd_config(parse()).transfer.transport == "shm"  # shared CPU memory
+    assert serve.pd_config(parse("--device", "cuda")).transfer.transport == "tcp"
+    nccl = serve.pd_config(parse("--device", "cuda", "--kv-transport", "nccl"))
+    assert nccl.transfer.transport == "nccl"
 
 
 def test_kv_tier_flags(monkeypatch, tmp_path):

@@ -2,6 +2,7 @@
 
 import pytest
 
+from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from server import serve
 from server.cli import build_parser
@@ -14,15 +15,15 @@ def parse(*argv: str):
 def test_default_topology_is_one_prefill_and_one_decode_worker_over_shm():
     assert serve.pd_config(parse()) == PDConfig()
     assert PDConfig().num_prefill == 1 and PDConfig().num_decode == 1
-    assert PDConfig().transport == "shm"
+    assert PDConfig().transfer.transport == "shm"
 
 
 def test_topology_flags():
     flags = ["--prefill", "2", "--decode", "3", "--kv-transport", "tcp",
              "--local-prefill-tokens", "0", "--kv-transfer-timeout", "5"]  # fmt: skip
     pd = serve.pd_config(parse(*flags))
-    assert pd == PDConfig(num_prefill=2, num_decode=3, transport="tcp", local_prefill_tokens=0,
-                          transfer_timeout_s=5.0)  # fmt: skip
+    transfer = TransferConfig(transport="tcp", local_prefill_tokens=0, timeout_s=5.0)
+    assert pd == PDConfig(num_prefill=2, num_decode=3, transfer=transfer)
     assert serve.pd_config(parse("--aggregated")) is None
 
 

@@ -1,0 +1,128 @@
+"""A worker's end of its channel to any number of frontends.
+
+A ROUTER socket the worker binds; each frontend connects a DEALER under its own identity
+and opens with an empty message (its hello), answered with the worker's ready message
+once there is one. Replies about a request go to the frontend that opened it (``claim``,
+until ``release``); stats go to every frontend, and their KV events also to the event
+sink (the Redis stream) when there is one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import zmq
+
+from engine.messages import Codec, Outputs, RequestOutput, WorkerStats
+from kvstore.events import KVEvent
+
+
+class WorkerChannel:
+    def __init__(self, address: str, codec: Codec) -> None:
+        self.codec = codec
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not drops
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a token for a slow frontend
+        self._sock.bind(address)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.frontends: list[bytes] = []
+        self._owners: dict[str, bytes] = {}
+        self.event_sink: Callable[[list[KVEvent]], None] | None = None
+        self._hello: bytes | None = None
+        self.last_stats = 0.0  # monotonic time stats last went to every frontend
+
+    def ready(self, msg: msgspec.Struct) -> None:
+        """The worker's ready (or failure) message: sent to every frontend that said or
+        says hello."""
+        self._hello = self.codec.encode(msg)
+        for frontend in self.frontends:
+            self._send(frontend, self._hello)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self._sock.poll(timeout_ms))
+
+    def _recv(self) -> tuple[bytes, bytes] | None:
+        """The next (frontend, message), or None after handling a hello."""
+        frontend, payload = self._sock.recv_multipart()
+        if payload:
+            return frontend, payload
+        if frontend not in self.frontends:
+            self.frontends.append(frontend)
+        if self._hello is not None:
+            self._send(frontend, self._hello)
+        return None
+
+    def pending(self) -> Iterator[tuple[bytes, msgspec.Struct]]:
+        """Every input waiting now, as (frontend, message); hellos are answered on the way."""
+        while self.poll(0):
+            got = self._recv()
+            if got is not None:
+                yield got[0], self.codec.decode_input(got[1])
+
+    def linger(self, seconds: float = 2.0) -> None:
+        """Answer the hellos of frontends that connect in the next ``seconds`` (with the
+        ready or failure message already set), so that a failure reaches them."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.poll(100):
+                self._recv()
+
+    # -- sending --------------------------------------------------------------------------
+
+    def claim(self, request_id: str, frontend: bytes) -> None:
+        self._owners[request_id] = frontend
+
+    def release(self, request_id: str) -> None:
+        self._owners.pop(request_id, None)
+
+    @property
+    def num_claimed(self) -> int:
+        return len(self._owners)
+
+    def reply(self, request_id: str, msg: msgspec.Struct, last: bool) -> None:
+        """``msg`` to the frontend that opened ``request_id`` (dropped if none did);
+        ``last``: nothing more will be said about it."""
+        frontend = self._owners.pop(request_id, None) if last else self._owners.get(request_id)
+        if frontend is not None:
+            self._send(frontend, self.codec.encode(msg))
+
+    def outputs(self, outputs: list[RequestOutput], stats: WorkerStats | None) -> None:
+        """Each frontend its own requests' outputs, and all of them ``stats``."""
+        mine: dict[bytes, list[RequestOutput]] = {f: [] for f in self.frontends}
+        for out in outputs:
+            frontend = self._owners.get(out.request_id)
+            if frontend is None:
+                continue
+            if out.finish_reason is not None:
+                del self._owners[out.request_id]
+            mine.setdefault(frontend, []).append(out)
+        for frontend, part in mine.items():
+            self._send(frontend, self.codec.encode(Outputs(part, stats)))
+        self._published(stats)
+
+    def stats(self, stats: WorkerStats) -> None:
+        for frontend in list(self.frontends):
+            self._send(frontend, self.codec.encode(stats))
+        self._published(stats)
+
+    def _published(self, stats: WorkerStats | None) -> None:
+        if stats is None:
+            return
+        self.last_stats = time.monotonic()
+        if stats.events and self.event_sink is not None:
+            self.event_sink(stats.events)
+
+    def _send(self, frontend: bytes, payload: bytes) -> None:
+        try:
+            self._sock.send_multipart([frontend, payload], zmq.NOBLOCK)
+        except zmq.ZMQError:  # that frontend is gone (or not keeping up): forget it
+            if frontend in self.frontends:
+                self.frontends.remove(frontend)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()

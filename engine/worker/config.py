@@ -1,0 +1,63 @@
+"""Frozen configuration of one worker process, declared once: every default is here.
+
+A frontend builds a ``WorkerConfig`` per worker it spawns and hands it over as JSON on
+the worker's command line (like ``EngineConfig`` inside it); ``ferry worker`` builds one
+from its flags. Nothing is patched on afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+
+ROLES = ("engine", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How KV moves from prefill to decode workers.
+
+    ``timeout_s``: how long a decode worker keeps blocks reserved for KV that has not
+    arrived (a prefill worker starts no transfer after that, and gives each send this long).
+    ``local_prefill_tokens``: a decode worker computes a prompt itself when at most this
+    many of its tokens are missing from its prefix cache. ``kv_host``: the address a decode
+    worker's KV receiver binds.
+    """
+
+    transport: str = "shm"
+    timeout_s: float = 120.0
+    local_prefill_tokens: int = 16
+    kv_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_tokens < 0:
+            raise ValueError("local_prefill_tokens must be >= 0")
+        if not self.timeout_s > 0:
+            raise ValueError("the KV transfer timeout must be positive")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One worker: its role, its engine, how its KV moves, where it listens and who hears
+    of it. ``listen``: the ZMQ address its channel binds (``ipc://`` when a frontend spawns
+    it, ``tcp://`` for ``ferry worker``). ``redis_url``: register there as ``name`` and
+    publish KV events there. ``exit_with_parent``: exit when the process that started it
+    is gone."""
+
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    listen: str = ""
+    name: str = ""
+    redis_url: str = ""
+    exit_with_parent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"a worker's role is one of {ROLES}, not {self.role!r}")
+
+    def replace(self, **changes: Any) -> WorkerConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,177 @@
+"""A worker as a frontend holds it: its channel, its process, its health, its stats.
+
+The channel is a DEALER socket connected to the address the worker binds
+(``engine.worker.channel``); it opens with an empty message (the hello), which the worker
+answers with its ready message. A worker is either spawned by this frontend (``spawn``:
+``python -m <role module>`` on an ``ipc://`` address, dead when the process exits) or
+started elsewhere and attached (``connect``: ``ferry worker``, dead when it has not been
+heard from for ``silence_timeout_s``; workers send stats at least every second). A dead
+worker's ``on_death`` runs once. The aggregated engine's client and the worker pools use
+the same handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.messages import (
+    Codec,
+    EngineStats,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
+    WorkerStats,
+    stats_of,
+)
+from engine.worker.config import WorkerConfig
+
+log = logging.getLogger("ferry.workers")
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+class WorkerHandle:
+    silence_timeout_s = 5.0
+
+    def __init__(
+        self, name: str, role: str, codec: Codec, ctx: zmq.asyncio.Context, identity: bytes
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.address = ""
+        self.codec = codec
+        self.ready: WorkerReady | None = None
+        self.dead: str | None = None
+        self.draining = False
+        self.stats: EngineStats | None = None  # the worker's latest
+        self.num_transferring = 0
+        self.tokens_per_s = 0.0  # a prefill worker's measured rate
+        self.proc: subprocess.Popen | None = None
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._task: asyncio.Task | None = None
+        self._heard = time.monotonic()
+
+    @property
+    def label(self) -> str:
+        """How log lines and errors name it."""
+        if self.name == self.role:  # the aggregated engine
+            return f"{self.role} process"
+        return f"{self.role} worker {self.name}"
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and (self.proc is None or self.proc.poll() is None)
+
+    async def spawn(
+        self, module: str, config: WorkerConfig, tmpdir: str, timeout: float
+    ) -> WorkerReady:
+        """Start ``python -m <module>`` serving ``config`` on an ipc address in ``tmpdir``
+        and wait until it is ready."""
+        address = f"ipc://{tmpdir}/{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}"
+        config = config.replace(listen=address, exit_with_parent=True)
+        cmd = [sys.executable, "-m", module, "--config", msgspec.json.encode(config).decode()]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(cmd, env=env)
+        return await self.connect(address, timeout)
+
+    async def connect(self, address: str, timeout: float) -> WorkerReady:
+        """Open the channel to a worker listening on ``address``; wait for its ready."""
+        self.address = address
+        self._sock.connect(address)
+        self._sock.send(b"", zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await self._sock.poll(500):
+                msg = self.codec.decode_reply(await self._sock.recv())
+                if isinstance(msg, WorkerReady):
+                    self.ready = msg
+                    self._heard = time.monotonic()
+                    return msg
+                if isinstance(msg, WorkerFailed):
+                    raise RuntimeError(f"{self.name} failed to start: {msg.message}")
+            elif self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}")
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s")
+
+    def observe(self, stats: WorkerStats) -> None:
+        """Take in the worker's latest stats."""
+        self.stats = stats.stats
+        self.num_transferring = stats.num_transferring
+        self.tokens_per_s = stats.tokens_per_s
+        self.draining = stats.draining
+
+    def run(
+        self,
+        on_message: Callable[[WorkerHandle, msgspec.Struct], None],
+        on_death: Callable[[WorkerHandle], None],
+    ) -> None:
+        """Feed every message from the worker to ``on_message`` until it dies (the stats a
+        message carries are taken in first)."""
+        self._task = asyncio.create_task(self._pump(on_message, on_death))
+
+    async def _pump(self, on_message, on_death) -> None:
+        while self.dead is None:
+            if await self._sock.poll(500):
+                self._heard = time.monotonic()
+                msg = self.codec.decode_reply(await self._sock.recv())
+                stats = stats_of(msg)
+                if stats is not None:
+                    self.observe(stats)
+                on_message(self, msg)
+            elif self.proc is not None and self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.dead = f"{self.label} exited with code {code}"
+            elif self.proc is None and time.monotonic() - self._heard > self.silence_timeout_s:
+                self.dead = (f"{self.label} at {self.address} stopped answering "
+                             f"({self.silence_timeout_s:.0f}s)")  # fmt: skip
+        log.error("%s", self.dead)
+        on_death(self)
+
+    def leave(self, reason: str) -> None:
+        """Take the worker out of rotation (it left the registry); ``on_death`` follows."""
+        if self.dead is None:
+            self.dead = reason
+
+    def send(self, msg: msgspec.Struct) -> None:
+        if self.alive:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
+
+    async def shutdown(self) -> None:
+        """Stop a spawned worker; just disconnect from one that joined from elsewhere."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(self.codec.encode(Shutdown()), zmq.NOBLOCK)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 10)
+            except TimeoutError:
+                self.proc.kill()
+        if self._task is not None:
+            self._task.cancel()
+        self._sock.close(linger=0)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name, "role": self.role, "healthy": self.alive,
+            "draining": self.draining, "address": self.address,
+            "pid": self.proc.pid if self.proc else None, "error": self.dead,
+        }  # fmt: skip

@@ -1,0 +1,204 @@
+"""The one worker shell: the loop every worker process runs, whatever its role.
+
+A role (``WorkerRole``: the aggregated engine, prefill, decode) owns an engine and what
+it moves; the shell owns the process around it — the channel to the frontends, the
+Redis registration, the parent watch, drain and shutdown — so every role gets them the
+same way. ``main(role_cls)`` is a role module's ``python -m`` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import msgspec
+
+from engine import envs
+from engine.messages import (
+    Codec,
+    RequestOutput,
+    Shutdown,
+    WorkerFailed,
+    WorkerReady,
+    WorkerStats,
+)
+from engine.worker.channel import WorkerChannel
+from engine.worker.config import WorkerConfig
+
+log = logging.getLogger("ferry.worker")
+
+HEARTBEAT_S = 1.0  # stats reach every frontend at least this often (their liveness check)
+
+
+@dataclass
+class Outbox:
+    """What a role has to say after a step.
+
+    ``replies``: (message, last) pairs, each message with a ``request_id``, sent to the
+    frontend that opened that request (``last``: nothing more will be said about it).
+    ``outputs``: tokens, to their requests' frontends, the one with ``finish_reason`` last.
+    ``ended``: requests that ended without a word (aborted): their frontend is forgotten.
+    ``stats``: for every frontend, when something changed (None: nothing did).
+    """
+
+    replies: list[tuple[msgspec.Struct, bool]] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)
+    ended: list[str] = field(default_factory=list)
+    stats: WorkerStats | None = None
+
+
+class WorkerRole(ABC):
+    """What a worker does, plugged into the shell's loop (``serve``).
+
+    The contract, per loop iteration of the shell:
+
+    1. Every input that has arrived goes to ``handle``, in order (never ``Shutdown``: the
+       shell stops on it). ``handle`` returns the id of the request the message opens, if
+       it opens one; the shell then sends that request's replies and outputs to the
+       frontend it came from.
+    2. ``step()`` runs once: at most one engine step, plus whatever the role moves; its
+       ``Outbox`` is sent at once.
+    3. When ``busy`` is false the shell first waits up to ``wait_ms`` for an input; if none
+       comes it calls ``tick()`` (timers: a reservation that expired) and sends its outbox
+       instead of stepping. Stats go to every frontend at least every ``HEARTBEAT_S``
+       (``stats()``): frontends tell by them that the worker is alive.
+
+    Drain: once the drain event is set, ``draining`` is true (and said in every stats
+    message: frontends send nothing new), and the shell returns once ``settled`` (nothing
+    running, nothing held for a transfer). ``check_integrity`` runs whenever the role is
+    settled, when ``FERRY_DEBUG_INTEGRITY`` is on. ``close`` runs once, after the loop,
+    however it ended. A role that cannot be built (its constructor raises) is reported to
+    the frontends as ``WorkerFailed``.
+    """
+
+    role: ClassVar[str]
+    codec: ClassVar[Codec]
+    draining: bool = False
+
+    @abstractmethod
+    def ready(self) -> WorkerReady: ...
+
+    @abstractmethod
+    def handle(self, msg: msgspec.Struct) -> str | None: ...
+
+    @abstractmethod
+    def step(self) -> Outbox: ...
+
+    @abstractmethod
+    def stats(self) -> WorkerStats: ...
+
+    @property
+    @abstractmethod
+    def busy(self) -> bool: ...
+
+    @property
+    def settled(self) -> bool:
+        return not self.busy
+
+    @property
+    def wait_ms(self) -> int:
+        return int(HEARTBEAT_S * 1000)
+
+    def tick(self) -> Outbox:
+        return Outbox()
+
+    def check_integrity(self) -> None:  # noqa: B027 - optional for a role
+        pass
+
+    def close(self) -> None:  # noqa: B027 - optional for a role
+        pass
+
+
+def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChannel,
+          drain: threading.Event | None = None) -> None:  # fmt: skip
+    """Run the role ``role_cls(config)`` on ``channel`` until shut down, orphaned or
+    drained (``drain``: once set, finish what it has and return); registered on Redis
+    as ``config.name`` when ``config.redis_url`` is set."""
+    drain = drain or threading.Event()
+    registration = None
+    if config.redis_url:
+        from kvstore.registry import WorkerRegistration
+
+        announcement = {"name": config.name, "role": config.role, "address": channel.address}
+        registration = WorkerRegistration(config.redis_url, announcement, drain)
+        registration.start()
+        channel.event_sink = registration.publish
+    try:
+        try:
+            role = role_cls(config)
+        except Exception as exc:
+            log.exception("%s worker failed to start", config.role)
+            channel.ready(WorkerFailed(f"{type(exc).__name__}: {exc}"))
+            channel.linger()
+            return
+        channel.ready(role.ready())
+        try:
+            _loop(role, channel, drain, _orphan_check(config.exit_with_parent))
+        finally:
+            role.close()
+    finally:
+        if registration is not None:
+            registration.stop()
+        channel.close()
+
+
+def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
+          orphaned: Callable[[], bool]) -> None:  # fmt: skip
+    check = envs.DEBUG_INTEGRITY.get()
+    while True:
+        role.draining = drain.is_set()
+        if role.draining and role.settled:
+            channel.stats(role.stats())
+            return
+        if not role.busy and not channel.poll(role.wait_ms):
+            if orphaned():
+                return
+            _send(channel, role, role.tick())
+            continue
+        for frontend, msg in channel.pending():
+            if isinstance(msg, Shutdown):
+                return
+            opened = role.handle(msg)
+            if opened is not None:
+                channel.claim(opened, frontend)
+        _send(channel, role, role.step())
+        if check and role.settled:
+            role.check_integrity()
+
+
+def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox) -> None:
+    for msg, last in outbox.replies:
+        channel.reply(msg.request_id, msg, last)
+    for rid in outbox.ended:
+        channel.release(rid)
+    stats = outbox.stats
+    if stats is None and channel.last_stats + HEARTBEAT_S <= time.monotonic():
+        stats = role.stats()
+    if outbox.outputs:
+        channel.outputs(outbox.outputs, stats)
+    elif stats is not None:
+        channel.stats(stats)
+
+
+def _orphan_check(enabled: bool) -> Callable[[], bool]:
+    """Whether the process that started this one (a frontend) has gone, when ``enabled``."""
+    parent = os.getppid()
+    return lambda: enabled and os.getppid() != parent
+
+
+def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
+    """A role module's entry point: ``python -m <module> --config <WorkerConfig JSON>``."""
+    parser = argparse.ArgumentParser(description=f"a ferry {role_cls.role} worker")
+    parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
+    config = msgspec.json.decode(args.config, type=WorkerConfig)
+    serve(role_cls, config, WorkerChannel(config.listen, role_cls.codec))

@@ -1,0 +1,229 @@
+"""The frontend's prefill and decode pools: which workers there are, and their state.
+
+Workers are spawned by this frontend (``start``), attached when they announce themselves
+(``add_worker``: ``POST /internal/workers``) or found in the Redis registry
+(``router.registry``). A worker takes requests once it is ready; the first one sets the
+model facts (block size, the hash extras of the prefix index, the model name), and one
+that serves another model is turned away. Every message a worker sends passes through
+here first: its stats update the worker's load and health figures and its KV events
+feed the prefix index (unless Redis does), then the request protocol
+(``router.disagg``) gets what is about requests. A dead worker leaves rotation and the
+index before the protocol hears of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import zmq.asyncio
+
+from decode.messages import CODEC as DECODE
+from engine.config import EngineConfig
+from engine.messages import EngineStats, stats_of
+from engine.worker.config import WorkerConfig
+from prefill.messages import CODEC as PREFILL
+from router.config import PDConfig
+from router.metrics import TransferMetrics, WorkerQueueCollector
+from router.registry import RedisDirectory
+from router.routing import Router
+from router.workers import WorkerProcess
+
+log = logging.getLogger("ferry.router")
+
+ROLES = {"prefill": ("prefill.worker", PREFILL), "decode": ("decode.worker", DECODE)}
+
+OnMessage = Callable[[WorkerProcess, msgspec.Struct], None]
+OnDeath = Callable[[WorkerProcess], None]
+
+
+class WorkerPools:
+    def __init__(
+        self, config: EngineConfig, pd: PDConfig, router: Router, transfers: TransferMetrics,
+        on_message: OnMessage, on_death: OnDeath,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.pd = pd
+        self.router = router
+        self.transfers = transfers
+        self._on_message = on_message
+        self._on_death = on_death
+        self.model_name = ""
+        self.max_model_len = 0
+        self.block_size = config.cache.block_size
+        self.num_blocks = 0
+        self.prefill: list[WorkerProcess] = []
+        self.decode: list[WorkerProcess] = []
+        self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._tmp = tempfile.mkdtemp(prefix="ferry-")
+        self._ctx = zmq.asyncio.Context()
+        self._joining: set[str] = set()
+        self.directory: RedisDirectory | None = None
+        self._directory_task: asyncio.Task | None = None
+
+    @property
+    def workers(self) -> list[WorkerProcess]:
+        return [*self.prefill, *self.decode]
+
+    def live(self, role: str, exclude: WorkerProcess | None = None) -> list[WorkerProcess]:
+        """The workers of ``role`` that take new requests."""
+        pool = self.prefill if role == "prefill" else self.decode
+        return [w for w in pool if w.alive and not w.draining and w is not exclude]
+
+    # -- membership ----------------------------------------------------------------------
+
+    async def start(self, timeout: float) -> None:
+        """Spawn the configured workers and wait until they are ready; then follow the
+        Redis registry, if there is one."""
+        pd = self.pd
+        roles = ["prefill"] * pd.num_prefill + ["decode"] * pd.num_decode
+        devices = worker_devices(self.config.device, len(roles))
+        counts = {"prefill": 0, "decode": 0}
+        started = []
+        for role, device in zip(roles, devices):
+            name = f"{role[0]}{counts[role]}"
+            counts[role] += 1
+            if pd.redis_url:  # registered for every frontend: the name must be unique
+                name = f"{self.frontend_id}/{name}"
+            config = WorkerConfig(role, self.config.replace(device=device), pd.transfer,
+                                  name=name, redis_url=pd.redis_url)  # fmt: skip
+            worker = self._handle(name, role)
+            started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout))
+            (self.prefill if role == "prefill" else self.decode).append(worker)
+        await asyncio.gather(*started)
+        for worker in self.workers:
+            self._enlist(worker)
+        if pd.redis_url:
+            self.directory = RedisDirectory(pd.redis_url, self._join, self.router.index.apply,
+                                            self._set_draining)  # fmt: skip
+            self._directory_task = asyncio.create_task(self.directory.run())
+
+    def _handle(self, name: str, role: str) -> WorkerProcess:
+        return WorkerProcess(name, role, ROLES[role][1], self._ctx, self.frontend_id.encode())
+
+    async def add_worker(self, name: str, role: str, address: str, timeout: float = 900.0):
+        """Attach a worker started elsewhere (``ferry worker``) listening on ``address``;
+        it takes requests once it is ready. A worker of the same name that is still
+        alive is kept (a repeated registration); a dead one is replaced."""
+        if role not in ROLES:
+            raise ValueError(f"a worker's role is prefill or decode, not {role!r}")
+        old = next((w for w in self.workers if w.name == name), None)
+        if (old is not None and old.alive) or name in self._joining:
+            return old
+        worker = self._handle(name, role)
+        self._joining.add(name)
+        try:
+            await worker.connect(address, timeout)
+        except BaseException:
+            await worker.shutdown()
+            raise
+        finally:
+            self._joining.discard(name)
+        if old is not None:
+            for group in (self.prefill, self.decode):
+                if old in group:
+                    group.remove(old)
+        (self.prefill if role == "prefill" else self.decode).append(worker)
+        self._enlist(worker)
+        log.info("%s worker %s joined from %s", role, name, address)
+        return worker
+
+    def _join(self, name: str, role: str, address: str) -> None:
+        """A worker found in the registry: attach it in the background."""
+        if any(w.name == name and w.alive for w in self.workers) or name in self._joining:
+            return
+        task = asyncio.create_task(self.add_worker(name, role, address))
+
+        def done(t: asyncio.Task) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                log.error("worker %s at %s could not join: %s", name, address, t.exception())
+
+        task.add_done_callback(done)
+
+    def _set_draining(self, name: str, draining: bool) -> None:
+        for w in self.workers:
+            if w.name == name and draining:
+                w.draining = True
+
+    def _enlist(self, worker: WorkerProcess) -> None:
+        """Take a ready worker into rotation: the first one sets the model facts."""
+        ready = worker.ready
+        if self.max_model_len == 0:
+            self.block_size = self.router.block_size = ready.block_size
+            self.router.hash_extra = ready.hash_extra
+            self.model_name = ready.model_name
+        elif (ready.block_size, ready.hash_extra) != (self.block_size, self.router.hash_extra):
+            worker.leave(f"{worker.name} serves another model or block size")
+        self.max_model_len = min(w.ready.max_model_len for w in self.workers if w.ready)
+        self.num_blocks = sum(w.ready.num_blocks for w in self.workers if w.ready)
+        worker.run(self._received, self._died)
+
+    def _received(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
+        stats = stats_of(msg)
+        if stats is not None:
+            if stats.events and self.directory is None:  # with Redis, its stream feeds it
+                self.router.index.apply(worker.name, stats.events)
+            for e in stats.events:
+                self.transfers.kv_events.labels(worker.role, e.kind).inc()
+        if stats is not msg:
+            self._on_message(worker, msg)
+
+    def _died(self, worker: WorkerProcess) -> None:
+        self.router.index.remove_worker(worker.name)
+        self._on_death(worker)
+
+    async def shutdown(self) -> None:
+        if self._directory_task is not None:
+            self._directory_task.cancel()
+            await asyncio.gather(self._directory_task, return_exceptions=True)
+            await self.directory.close()
+        await asyncio.gather(*(w.shutdown() for w in self.workers), return_exceptions=True)
+        self._ctx.term()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        return any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
+
+    def health(self) -> dict:
+        health = {"healthy": self.is_healthy, "topology": "disaggregated",
+                  "transport": self.pd.transfer.transport,
+                  "workers": [w.describe() for w in self.workers]}  # fmt: skip
+        if self.directory is not None:
+            health["redis"] = {"connected": self.directory.connected,
+                               "events_read": self.directory.events_read}  # fmt: skip
+        return health
+
+    @property
+    def stats(self) -> EngineStats:
+        """The workers' latest stats, summed (what the single-engine metrics show)."""
+        total: dict[str, int] = {}
+        for s in (w.stats for w in self.workers if w.stats is not None):
+            for k, v in msgspec.structs.asdict(s).items():
+                total[k] = total.get(k, 0) + v
+        return EngineStats(**total)
+
+    def collectors(self) -> list:
+        return [WorkerQueueCollector(lambda: self.workers)]
+
+
+def worker_devices(device: str, count: int) -> list[str]:
+    """One device per worker: a bare ``cuda`` spreads the workers over the visible GPUs in
+    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all."""
+    if device != "cuda":
+        return [device] * count
+    import torch
+
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise ValueError("--device cuda, but no GPU is visible")
+    return [f"cuda:{i % n}" for i in range(count)]
