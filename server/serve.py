@@ -104,6 +104,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                        help="most bytes of KV files; least recently used go first")
     tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6), default=72.0,
                        help="a KV file unused this long is removed")
+    tiers.add_argument("--kv-file-mode", type=_file_mode, default=0o600, metavar="OCTAL",
+                       help="permission bits of KV block files, which hold what prompts "
+                            "computed (default: 600, the owner only)")
     # fmt: skip
 
 
@@ -114,6 +117,17 @@ def _tier_list(text: str) -> frozenset[str]:
     if not names or not names <= {"host", "file"}:
         raise argparse.ArgumentTypeError(f"{text!r}: expected host, file, host,file or none")
     return names
+
+
+def _file_mode(text: str) -> int:
+    """An octal mode in which the owner reads and writes: 600, 0640, 0o644."""
+    try:
+        mode = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 600") from None
+    if mode & ~0o777 or mode & 0o600 != 0o600:
+        raise argparse.ArgumentTypeError(f"{text}: the owner must read and write (600 to 777)")
+    return mode
 
 
 def _at_least(low: float):
@@ -157,6 +171,7 @@ def _tier_fields(args: argparse.Namespace) -> dict[str, Any]:
         "kv_dir": os.path.abspath(os.path.expanduser(kv_dir)) if "file" in tiers else "",
         "file_capacity_gb": args.kv_file_capacity_gb,
         "file_ttl_hours": args.kv_file_ttl_hours,
+        "file_mode": args.kv_file_mode,
     }
 
 
