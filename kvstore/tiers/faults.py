@@ -178,7 +178,7 @@ class WriteHealth:
         if room is not None and room < 1:
             self.degraded = "free space below the margin"
             return False
-        self._log.warning("KV file tier %s takes writes again", self.root)
+        self._log.info("KV file tier %s takes writes again", self.root)
         self.degraded = None
         return True
 

@@ -30,11 +30,18 @@ log = logging.getLogger("ferry.kvstore")
 DEFAULT_FILE_MODE = 0o600
 
 
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+)  # fmt: skip
+
+
 def check_regular(path: str, mode: int) -> None:
     """``NotARegularFile`` unless ``mode`` (an ``st_mode``) is a regular file's."""
     if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), f"mode {mode:o}")
         code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
-        raise NotARegularFile(code, f"not a regular file (mode {mode:o})", path)
+        raise NotARegularFile(code, f"{kind}, not a regular file", path)
 
 
 def open_block(path: str) -> tuple[int, int]:
