@@ -22,6 +22,7 @@ from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from router.config import PDConfig
 from router.policies import POLICIES
+from server.body import DEFAULT_MAX_BODY_MB
 from server.config import ServerConfig
 
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
@@ -38,6 +39,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
+    p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
+                   help="larger request bodies get 413 before they are read")
+    p.add_argument("--max-tokens", type=_positive, metavar="N",
+                   help="most tokens one request generates; one asking for more gets N "
+                        "(default: as many as the context holds)")  # fmt: skip
     topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
     topo.add_argument("--aggregated", action="store_true",
                       help="one engine process does prefill and decode (no KV transfer)")
@@ -128,6 +134,13 @@ def _file_mode(text: str) -> int:
     if mode & ~0o777 or mode & 0o600 != 0o600:
         raise argparse.ArgumentTypeError(f"{text}: the owner must read and write (600 to 777)")
     return mode
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return value
 
 
 def _at_least(low: float):
@@ -239,6 +252,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or envs.API_KEY.get(),
         served_model_name=args.served_model_name,
         log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
+        max_body_mb=args.max_body_mb,
+        max_tokens=args.max_tokens,
     )
 
 
