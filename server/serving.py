@@ -196,8 +196,6 @@ class Serving:
         wanted = constraint(req)
         await check_constraint(wanted)
         prompts = await asyncio.to_thread(self._completion_prompts, req)
-        for prompt in prompts:
-            self._check_token_ids(prompt.token_ids, "prompt")
         max_tokens = [self._max_tokens(len(p.token_ids), req.max_tokens, "prompt") for p in prompts]
         return self._job("cmpl", req, prompts, max_tokens, wanted)
 
@@ -229,6 +227,7 @@ class Serving:
                 echo = item
             else:
                 ids = list(item)
+                self._check_token_ids(ids, "prompt")  # before decoding them for the echo
                 echo = self.tokenizer.decode(ids) if req.echo else None
             if not ids:
                 raise invalid_request("prompt must not be empty", "prompt")
