@@ -190,6 +190,25 @@ def test_a_read_only_file_system_degrades_the_tier_drains_the_queue_and_recovers
         assert tier.stats()["degraded"] == 0 and no_temporaries(fs.path)
 
 
+def test_a_directory_without_write_permission_degrades_the_tier_until_it_has_it(
+    tmp_path, make_tier
+):
+    with no_permission_override():  # the writer thread, started here, obeys mode bits too
+        tier = make_tier(tmp_path)
+        written(tier, 1)
+        sub = tier.path(h(2)).parent
+        sub.mkdir(mode=0o500, exist_ok=True)  # where block 2 goes: no writing
+        sub.chmod(0o500)
+        written(tier, 2)
+        assert tier.degraded is not None and "EACCES" in tier.degraded
+        assert not tier.put(h(3), blk(3))
+        assert torch.equal(tier.load(h(1)), blk(1))
+        sub.chmod(0o700)
+        wait_until(lambda: tier.degraded is None)  # the probe writes where it failed
+        written(tier, 2)
+        assert torch.equal(tier.load(h(2)), blk(2)) and no_temporaries(tmp_path)
+
+
 def test_a_tier_started_on_a_read_only_directory_reads_what_is_there_and_waits(
     tmp_path, make_tier
 ):
