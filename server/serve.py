@@ -127,13 +127,12 @@ def _tier_list(text: str) -> frozenset[str]:
 
 def _file_mode(text: str) -> int:
     """An octal mode in which the owner reads and writes: 600, 0640, 0o644."""
+    from kvstore.tiers.fileio import check_file_mode  # kvstore.tiers loads torch: not at import
+
     try:
-        mode = int(text.removeprefix("0o"), 8)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 600") from None
-    if mode & ~0o777 or mode & 0o600 != 0o600:
-        raise argparse.ArgumentTypeError(f"{text}: the owner must read and write (600 to 777)")
-    return mode
+        return check_file_mode(int(text.removeprefix("0o"), 8))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: an octal mode such as 600; {exc}") from None
 
 
 def _positive(text: str) -> int:

@@ -44,7 +44,13 @@ from kvstore.hashing import BlockHash
 from kvstore.procs import pid_alive
 from kvstore.tiers.events import TierEvents
 from kvstore.tiers.faults import ErrorLog, WriteHealth, dir_mode, errno_name, unlink_quietly
-from kvstore.tiers.fileio import DEFAULT_FILE_MODE, BlockIO, check_regular, open_block_io
+from kvstore.tiers.fileio import (
+    DEFAULT_FILE_MODE,
+    BlockIO,
+    check_file_mode,
+    check_regular,
+    open_block_io,
+)
 from kvstore.tiers.format import BlockMeta, CorruptBlock, file_size, pack, unpack
 
 log = logging.getLogger("ferry.kvstore")
@@ -87,10 +93,7 @@ class FileTier:
             raise ValueError(
                 f"KV file capacity {capacity_bytes} bytes holds no block ({self.file_bytes} bytes)"
             )
-        if mode & ~0o777 or mode & 0o600 != 0o600:
-            raise ValueError(f"KV file mode {mode:o}: permission bits the owner reads and "
-                             "writes (0600 to 0777)")  # fmt: skip
-        self.mode = mode
+        self.mode = check_file_mode(mode)
         self.root = Path(directory).expanduser() / meta.namespace
         self._root = str(self.root)
         self._health = WriteHealth(

@@ -30,6 +30,14 @@ log = logging.getLogger("ferry.kvstore")
 DEFAULT_FILE_MODE = 0o600
 
 
+def check_file_mode(mode: int) -> int:
+    """``mode`` when it is permission bits with which the owner reads and writes (0600 to
+    0777: the tier must read back what it wrote), else ``ValueError``."""
+    if mode & ~0o777 or mode & 0o600 != 0o600:
+        raise ValueError(f"KV file mode {mode:o}: the owner must read and write (600 to 777)")
+    return mode
+
+
 _NOT_REGULAR = (
     (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
     (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
