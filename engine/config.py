@@ -118,8 +118,9 @@ class CacheConfig:
     # tiers below the cache (engine.kv_cache.tiered); off unless asked for (ferry serve does)
     host_memory_gb: float = 0.0  # host-memory tier (pinned where the cache is on a GPU)
     kv_dir: str = ""  # file tier directory, shared by the machine's workers ("": none)
-    file_capacity_gb: float = 20.0
+    file_capacity_gb: float = 20.0  # bounded by free disk space too (a margin is kept)
     file_ttl_hours: float = 72.0
+    file_mode: int = 0o600  # permission bits of block files: they hold what prompts computed
 
 
 @dataclass(frozen=True)

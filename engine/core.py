@@ -103,7 +103,7 @@ class EngineCore:
             return None
         return KVTiers.build(
             self.kv_cache, fingerprint, int(cache.host_memory_gb * 2**30), cache.kv_dir,
-            int(cache.file_capacity_gb * 2**30), cache.file_ttl_hours * 3600.0,
+            int(cache.file_capacity_gb * 2**30), cache.file_ttl_hours * 3600.0, cache.file_mode,
         )  # fmt: skip
 
     def _resolve(self, config: EngineConfig, layout: KVCacheLayout) -> EngineConfig:

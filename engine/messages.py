@@ -87,7 +87,12 @@ class EngineStats(msgspec.Struct, frozen=True):
     kv_file_evictions: int = 0  # over capacity
     kv_file_expired: int = 0  # past the TTL
     kv_file_checksum_failures: int = 0
-    kv_file_writes_dropped: int = 0  # the writer's queue was full
+    kv_file_writes_dropped: int = 0  # the writer's queue was full, or the tier degraded
+    kv_file_read_errors: int = 0  # block files the file system would not give back
+    kv_file_write_errors: int = 0
+    # 1 while the file tier writes nothing (its directory is full or read-only; summed
+    # over workers: how many are degraded); it clears itself once a probe write succeeds
+    kv_file_degraded: int = 0
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):

@@ -7,6 +7,7 @@
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
 - ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
   body lists each worker and whether it is alive), ``GET /metrics``,
+- ``GET /openapi.json``: the public routes with their request bodies (``server.openapi``),
 - ``POST /internal/workers`` (with worker pools): a worker started on its own (``ferry
   worker --frontend URL``) announces ``{name, role, address}``; the frontend connects to
   it and takes it into rotation once it is ready (202 at once).
@@ -27,11 +28,12 @@ from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.client import ServingClient, WorkerRefused
-from server import errors
+from server import errors, openapi
+from server.body import parse_body as parse_json_body
 from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -43,6 +45,11 @@ T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# what each route's ``parse_body`` reads, for the served OpenAPI schema (server.openapi)
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
 _ENDPOINTS = {
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
     "/internal/workers",
@@ -58,7 +65,7 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         name = config.served_model_name or client.model_name
-        app.state.serving = Serving(client, metrics, name)
+        app.state.serving = Serving(client, metrics, name, max_tokens=config.max_tokens)
         try:
             yield
         finally:
@@ -71,6 +78,7 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnected)
     _add_routes(app)
+    openapi.install(app, REQUEST_BODIES)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
@@ -152,17 +160,10 @@ def _log_join(task: asyncio.Task) -> None:
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
-    """The JSON body as ``model``, whatever the Content-Type; 400 when it is not valid JSON
-    or does not validate."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise errors.invalid_request(f"Invalid JSON body: {exc}") from exc
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise errors.validation_error(exc.errors()) from exc
+    """The JSON body as ``model``, whatever the Content-Type: 413 past ``--max-body-mb``,
+    400 when it is not valid JSON or does not validate (``server.body``)."""
+    limit = int(request.app.state.config.max_body_mb * 2**20)
+    return await parse_json_body(request, model, limit)
 
 
 def _model_card(request: Request) -> ModelCard:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from server.body import DEFAULT_MAX_BODY_MB
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -11,7 +13,9 @@ class ServerConfig:
 
     ``api_key``: when set, every ``/v1/*`` request must send ``Authorization: Bearer
     <key>``; ``/health`` and ``/metrics`` stay open. ``served_model_name``: the model id
-    clients see and send (default: the engine's model name).
+    clients see and send (default: the engine's model name). ``max_body_mb``: larger
+    request bodies get 413 before they are read. ``max_tokens``: the most tokens one
+    request may generate (None: the context decides; ``Serving``).
     """
 
     host: str = "127.0.0.1"
@@ -20,3 +24,5 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "info"
     graceful_shutdown_s: float = 5.0
+    max_body_mb: float = DEFAULT_MAX_BODY_MB
+    max_tokens: int | None = None

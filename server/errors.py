@@ -24,6 +24,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
 }
 
@@ -39,12 +40,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "api_error")
 
     def body(self) -> dict:
@@ -58,7 +61,7 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_request(message: str, param: str | None = None) -> APIError:

@@ -81,10 +81,16 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
         ("kv_file_expired", "KV block files removed past their TTL", s.kv_file_expired),
         ("kv_file_checksum_failures", "KV block files that failed their checksum (removed)",
          s.kv_file_checksum_failures),
-        ("kv_file_writes_dropped", "KV blocks not written to files: the writer was behind",
-         s.kv_file_writes_dropped),
+        ("kv_file_writes_dropped", "KV blocks not written to files: the writer was behind "
+         "or the tier degraded", s.kv_file_writes_dropped),
+        ("kv_file_read_errors", "KV block file reads that failed (each a miss)",
+         s.kv_file_read_errors),
+        ("kv_file_write_errors", "KV block file writes that failed", s.kv_file_write_errors),
     ):  # fmt: skip
         yield CounterMetricFamily(f"ferry_{name}", doc, value=value)
+    yield GaugeMetricFamily("ferry_kv_file_degraded", "Workers whose KV file tier writes "
+                            "nothing: its directory is full or read-only (cleared by itself "
+                            "once a probe write succeeds)", value=s.kv_file_degraded)  # fmt: skip
     yield GaugeMetricFamily("ferry_kv_host_blocks_used", "KV blocks held in host memory",
                             value=s.kv_host_blocks_used)  # fmt: skip
     yield GaugeMetricFamily("ferry_kv_host_blocks_total", "KV block slots in host memory",

@@ -3,8 +3,12 @@
 
 Requests ignore unknown fields, like OpenAI. Range checks of sampling values are not
 repeated here: ``engine.sampling_params.SamplingParams`` owns them and the serving
-layer turns its ``ValueError`` into a 400. Responses are built with these models and
-serialized with ``model_dump_json``; ``None`` fields are kept (OpenAI sends ``null``).
+layer turns its ``ValueError`` into a 400. What is bounded here is what would cost the
+server before any such check: integers fit in 64 bits (``Int64``: no 4,300-digit
+number reaches ``int()`` or ``str()``), ``logit_bias`` keys are token ids of at most 10
+digits, and one request starts at most ``MAX_CHOICES`` sequences (``n`` × prompts).
+Responses are built with these models and serialized with ``model_dump_json``; ``None``
+fields are kept (OpenAI sends ``null``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,11 @@ from pydantic import (
 )
 
 MAX_N = 128
+MAX_CHOICES = 128  # sequences one request may start: n x prompts
 MAX_STOP_STRINGS = 4
+MAX_TOKEN_ID_DIGITS = 10  # token ids are below 2**31
+
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
 
 
 class _Request(BaseModel):
@@ -134,14 +142,14 @@ class SamplingFields(_Request):
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
     # vLLM extensions
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # -1 or 0: off
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = Field(0, ge=0, lt=2**31)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -159,8 +167,9 @@ class SamplingFields(_Request):
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            digits = key.removeprefix("-")
+            if not (digits.isascii() and digits.isdigit()) or len(digits) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}")
         return value
 
     @property
@@ -179,10 +188,10 @@ class SamplingFields(_Request):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -212,16 +221,16 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+Prompt = str | list[str] | list[Int64] | list[list[Int64]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     suffix: str | None = None
     echo: bool = False
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    best_of: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    best_of: Int64 | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -231,6 +240,21 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
             raise ValueError("token id prompts must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _bounded_fan_out(self) -> CompletionRequest:
+        if self.num_prompts * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"{self.num_prompts} prompts x n={self.n} would start "
+                f"{self.num_prompts * self.n} sequences; at most {MAX_CHOICES} per request"
+            )
+        return self
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts ``prompt`` holds (a text, a token list, or a list of either)."""
+        single = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return 1 if single else len(self.prompt)
 
     @property
     def max_new_tokens(self) -> int | None:

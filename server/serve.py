@@ -23,6 +23,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Structured
 from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.policies import POLICIES
+from server.body import DEFAULT_MAX_BODY_MB
 from server.config import ServerConfig
 
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
@@ -39,6 +40,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
+    p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
+                   help="larger request bodies get 413 before they are read")
+    p.add_argument("--max-tokens", type=_positive, metavar="N",
+                   help="most tokens one request generates; one asking for more gets N "
+                        "(default: as many as the context holds)")  # fmt: skip
     topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
     topo.add_argument("--aggregated", action="store_true",
                       help="one engine process does prefill and decode (no KV transfer)")
@@ -108,6 +114,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                        help="most bytes of KV files; least recently used go first")
     tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6), default=72.0,
                        help="a KV file unused this long is removed")
+    tiers.add_argument("--kv-file-mode", type=_file_mode, default=0o600, metavar="OCTAL",
+                       help="permission bits of KV block files, which hold what prompts "
+                            "computed (default: 600, the owner only)")
     # fmt: skip
 
 
@@ -118,6 +127,23 @@ def _tier_list(text: str) -> frozenset[str]:
     if not names or not names <= {"host", "file"}:
         raise argparse.ArgumentTypeError(f"{text!r}: expected host, file, host,file or none")
     return names
+
+
+def _file_mode(text: str) -> int:
+    """An octal mode in which the owner reads and writes: 600, 0640, 0o644."""
+    from kvstore.tiers.fileio import check_file_mode  # kvstore.tiers loads torch: not at import
+
+    try:
+        return check_file_mode(int(text.removeprefix("0o"), 8))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: an octal mode such as 600; {exc}") from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
+    return value
 
 
 def _at_least(low: float):
@@ -161,6 +187,7 @@ def _tier_fields(args: argparse.Namespace) -> dict[str, Any]:
         "kv_dir": os.path.abspath(os.path.expanduser(kv_dir)) if "file" in tiers else "",
         "file_capacity_gb": args.kv_file_capacity_gb,
         "file_ttl_hours": args.kv_file_ttl_hours,
+        "file_mode": args.kv_file_mode,
     }
 
 
@@ -236,6 +263,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or envs.API_KEY.get(),
         served_model_name=args.served_model_name,
         log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
+        max_body_mb=args.max_body_mb,
+        max_tokens=args.max_tokens,
     )
 
 

@@ -4,6 +4,9 @@
 context length, sampling values) and turn it into a ``Job``: one ``ChoiceSpec`` per
 output choice (``n`` per prompt, engine request ids ``{id}-{i}``, seed ``seed + i``).
 Any problem raises ``APIError`` *before* anything is sent, so the status code is right.
+A prompt text too long to fit the context whatever its tokens is refused before it is
+tokenized (``_check_text_fits``): tokenizing 20 MB of text takes a core for half a
+minute.
 
 ``Serving.events(job)`` runs every choice in the engine and merges their
 ``ChoiceEvent``s; leaving it early (client gone, error, cancellation) closes every
@@ -14,6 +17,7 @@ renderers below turn events into a response body or SSE lines.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -62,6 +66,10 @@ SSE_DONE = "data: [DONE]\n\n"
 log = logging.getLogger("ferry.server")
 
 T = TypeVar("T")
+
+# Normalizers shorten text a few times at most (NFC: three Hangul jamo into one
+# syllable), and no token stands for more bytes of text than the vocabulary's longest.
+_TEXT_SHRINK_BOUND = 4
 
 
 # ---- jobs and events ------------------------------------------------------------------
@@ -136,10 +144,19 @@ class Tally:
 class Serving:
     """Validation, fan-out and detokenization shared by chat and completions."""
 
-    def __init__(self, client: ServingClient, metrics: Metrics, model_name: str) -> None:
+    def __init__(
+        self,
+        client: ServingClient,
+        metrics: Metrics,
+        model_name: str,
+        max_tokens: int | None = None,
+    ) -> None:
+        """``max_tokens``: the most tokens one request generates (asking for more gets that
+        many); None: as many as the context holds."""
         self.client = client
         self.metrics = metrics
         self.model_name = model_name
+        self.max_tokens = max_tokens
 
     @property
     def tokenizer(self) -> Any:
@@ -167,8 +184,6 @@ class Serving:
         wanted = constraint(req)
         await check_constraint(wanted)
         prompts = await asyncio.to_thread(self._completion_prompts, req)
-        for prompt in prompts:
-            self._check_token_ids(prompt.token_ids, "prompt")
         max_tokens = [self._max_tokens(len(p.token_ids), req.max_tokens, "prompt") for p in prompts]
         return self._job("cmpl", req, prompts, max_tokens, wanted)
 
@@ -185,6 +200,7 @@ class Serving:
             )
         except Exception as exc:  # jinja2 errors, templates that reject a conversation
             raise invalid_request(f"Cannot apply the chat template: {exc}", "messages") from exc
+        self._check_text_fits(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _completion_prompts(self, req: CompletionRequest) -> list[PromptInput]:
@@ -194,15 +210,34 @@ class Serving:
         prompts = []
         for item in items:
             if isinstance(item, str):
+                self._check_text_fits(item, "prompt")
                 ids = self.tokenizer.encode(item, add_special_tokens=True)
                 echo = item
             else:
                 ids = list(item)
+                self._check_token_ids(ids, "prompt")  # before decoding them for the echo
                 echo = self.tokenizer.decode(ids) if req.echo else None
             if not ids:
                 raise invalid_request("prompt must not be empty", "prompt")
             prompts.append(PromptInput(ids, echo if req.echo else None))
         return prompts
+
+    @functools.cached_property
+    def _longest_token_bytes(self) -> int:
+        tok = self.tokenizer
+        return max((len(tok.token_bytes(i)) for i in range(tok.vocab_size)), default=1)
+
+    def _check_text_fits(self, text: str, param: str) -> None:
+        """400 when ``text`` holds more characters than the context's tokens could stand
+        for, before tokenizing it."""
+        limit = self.client.max_model_len
+        most = _TEXT_SHRINK_BOUND * self._longest_token_bytes * limit
+        if len(text) > most:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens; {len(text)} "
+                f"characters of {param} are more than that many tokens can hold.",
+                param,
+            )
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -211,12 +246,14 @@ class Serving:
             raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, where: str) -> int:
-        """``requested`` (None: fill the context), checked against the context length."""
+        """``requested`` (None: fill the context), lowered to the server's ``max_tokens``
+        and checked against the context length."""
         limit = self.client.max_model_len
         if requested is not None and requested < 1:
             raise invalid_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
-        wanted = prompt_len + (requested or 1)
-        if wanted > limit:
+        if requested is not None and self.max_tokens is not None:
+            requested = min(requested, self.max_tokens)
+        if prompt_len + (requested or 1) > limit:
             completion = requested or 0
             raise invalid_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
@@ -225,7 +262,9 @@ class Serving:
                 "or completion.",
                 where,
             )
-        return requested if requested is not None else limit - prompt_len
+        if requested is not None:
+            return requested
+        return min(limit - prompt_len, self.max_tokens or limit)
 
     def _job(
         self,

@@ -7,8 +7,12 @@ How blocks move (``KVCacheManager`` drives it; schedulers know nothing of tiers)
 - **down on compute**: full blocks published by ``allocate`` are copied out after the
   step that computed them (``write_through``) and queued for the file tier's writer;
 - **up on a prefix hit**: ``match`` extends the device cache's run of hits with host hits,
-  then file hits (read and verified right away, so a corrupt file only shortens the
-  match), and ``load`` copies them into the request's fresh blocks.
+  then file hits (read and verified right away, so a corrupt file, or one the file
+  system will not give back, only shortens the match), and ``load`` copies them into the
+  request's fresh blocks.
+
+The file tier raises nothing here: its faults are misses, skipped writes and its
+``degraded`` state (``kv_file_degraded`` in ``stats``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kvstore.hashing import BlockHash
 from kvstore.layout import KVCache
 from kvstore.tiers.events import TierEvents
 from kvstore.tiers.file import FileTier
+from kvstore.tiers.fileio import DEFAULT_FILE_MODE
 from kvstore.tiers.format import BlockMeta
 from kvstore.tiers.host import HostTier
 
@@ -69,8 +74,10 @@ class KVTiers:
         kv_dir: str,
         file_capacity_bytes: int,
         file_ttl_s: float,
+        file_mode: int = DEFAULT_FILE_MODE,
     ) -> KVTiers | None:
-        """The tiers asked for (``host_bytes`` 0: no host tier; ``kv_dir`` "": no files)."""
+        """The tiers asked for (``host_bytes`` 0: no host tier; ``kv_dir`` "": no files;
+        ``file_mode``: permission bits of block files)."""
         if host_bytes <= 0 and not kv_dir:
             return None
         meta = block_meta(cache, fingerprint)
@@ -80,7 +87,9 @@ class KVTiers:
             slots = host_bytes // cache.layout.bytes_per_block
             pin = cache.storage.is_cuda
             host = HostTier(slots, meta.block_shape, meta.dtype, events, pin_memory=pin)
-        file = FileTier(kv_dir, meta, file_capacity_bytes, file_ttl_s, events) if kv_dir else None
+        file = None
+        if kv_dir:
+            file = FileTier(kv_dir, meta, file_capacity_bytes, file_ttl_s, events, mode=file_mode)
         return cls(cache, host, file, events)
 
     def _block(self, block_id: int) -> torch.Tensor:
@@ -174,7 +183,8 @@ class KVTiers:
                 kv_file_bytes_read=f["bytes_read"], kv_file_bytes_written=f["bytes_written"],
                 kv_file_evictions=f["evictions"], kv_file_expired=f["expired"],
                 kv_file_checksum_failures=f["checksum_failures"],
-                kv_file_writes_dropped=f["dropped"],
+                kv_file_writes_dropped=f["dropped"], kv_file_read_errors=f["read_errors"],
+                kv_file_write_errors=f["write_errors"], kv_file_degraded=f["degraded"],
             )  # fmt: skip
         return out
 

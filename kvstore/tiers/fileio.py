@@ -6,17 +6,76 @@ native binding (``hf3fs_fuse.io``) moves the bytes through a shared-memory iovec
 I/O ring registered with the FUSE process, which bypasses FUSE's per-request size limit
 and its copies. ``open_block_io`` picks it when it is importable and the directory is on
 a 3FS mount, POSIX otherwise.
+
+Both open block files through ``open_block`` and ``create_block``: a read opens only a
+regular file, without blocking (a FIFO in a block's place returns at once instead of
+waiting for a writer that never comes), and a new file gets exactly the tier's mode
+(0600 by default: block files hold what prompts computed).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from kvstore.tiers.faults import NotARegularFile
+
 log = logging.getLogger("ferry.kvstore")
+
+DEFAULT_FILE_MODE = 0o600
+
+
+def check_file_mode(mode: int) -> int:
+    """``mode`` when it is permission bits with which the owner reads and writes (0600 to
+    0777: the tier must read back what it wrote), else ``ValueError``."""
+    if mode & ~0o777 or mode & 0o600 != 0o600:
+        raise ValueError(f"KV file mode {mode:o}: the owner must read and write (600 to 777)")
+    return mode
+
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+)  # fmt: skip
+
+
+def check_regular(path: str, mode: int) -> None:
+    """``NotARegularFile`` unless ``mode`` (an ``st_mode``) is a regular file's."""
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(mode)), f"mode {mode:o}")
+        code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+        raise NotARegularFile(code, f"{kind}, not a regular file", path)
+
+
+def open_block(path: str) -> tuple[int, int]:
+    """``(fd, size)`` of the regular file at ``path``, opened for reading without
+    blocking; ``NotARegularFile`` (the fd closed) for a directory, FIFO or device."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        check_regular(path, st.st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def create_block(path: str, mode: int) -> int:
+    """A write-only fd on a new file at ``path`` (it must not exist) whose permission bits
+    are exactly ``mode``: set on the open fd, before any byte is written, so the umask
+    neither widens nor narrows them and the content is never readable more widely."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class BlockIO(ABC):
@@ -28,20 +87,24 @@ class BlockIO(ABC):
     def read(self, path: str, buf: bytearray | None = None) -> bytearray:
         """The file's whole content, in ``buf`` when it has the file's size (a recycled
         buffer: no allocation, no page faults), else in a new one; ``FileNotFoundError``
-        if the file is gone."""
+        if the file is gone, ``NotARegularFile`` if it is not a regular file, another
+        ``OSError`` when reading fails. Never blocks on a FIFO (``open_block``)."""
 
     @abstractmethod
-    def write(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
-        """Create ``path`` (it must not exist) holding ``parts`` back to back; bytes written."""
+    def write(
+        self, path: str, parts: Sequence[bytes | memoryview], mode: int = DEFAULT_FILE_MODE
+    ) -> int:
+        """Create ``path`` (it must not exist) with permission bits ``mode``, holding
+        ``parts`` back to back; bytes written. ``OSError`` when the file system refuses
+        (the caller removes what was left)."""
 
 
 class PosixIO(BlockIO):
     name = "posix"
 
     def read(self, path: str, buf: bytearray | None = None) -> bytearray:
-        fd = os.open(path, os.O_RDONLY)
+        fd, size = open_block(path)
         try:
-            size = os.fstat(fd).st_size
             if buf is None or len(buf) != size:
                 buf = bytearray(size)
             view, got = memoryview(buf), 0
@@ -55,8 +118,10 @@ class PosixIO(BlockIO):
         finally:
             os.close(fd)
 
-    def write(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def write(
+        self, path: str, parts: Sequence[bytes | memoryview], mode: int = DEFAULT_FILE_MODE
+    ) -> int:
+        fd = create_block(path, mode)
         try:
             views = [memoryview(p).cast("B") for p in parts]
             total = sum(len(v) for v in views)
@@ -113,9 +178,8 @@ class UsrbioIO(BlockIO):
             self._h3.deregister_fd(fd)
 
     def read(self, path: str, buf: bytearray | None = None) -> bytearray:
-        fd = os.open(path, os.O_RDONLY)
+        fd, size = open_block(path)
         try:
-            size = os.fstat(fd).st_size
             if size > self._size:
                 raise OSError(f"{path}: {size} bytes, larger than any block file")
             with self._lock:
@@ -127,8 +191,10 @@ class UsrbioIO(BlockIO):
         finally:
             os.close(fd)
 
-    def write(self, path: str, parts: Sequence[bytes | memoryview]) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def write(
+        self, path: str, parts: Sequence[bytes | memoryview], mode: int = DEFAULT_FILE_MODE
+    ) -> int:
+        fd = create_block(path, mode)
         try:
             with self._lock:
                 done = 0

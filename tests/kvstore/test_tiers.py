@@ -215,9 +215,9 @@ def test_writes_never_block_a_full_queue_drops(tmp_path, tiers):
     gate = threading.Event()
 
     class SlowIO(PosixIO):
-        def write(self, path, parts):
+        def write(self, path, parts, mode=0o600):
             gate.wait(10)
-            return super().write(path, parts)
+            return super().write(path, parts, mode)
 
     one = blk(0).numel() * 4
     tier = file_tier(tmp_path, io=SlowIO(), max_pending_bytes=2 * one)

@@ -15,7 +15,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,10 +103,13 @@ def _process(command: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
 
 
 @contextlib.contextmanager
-def run_server(log_path: Path, *flags: str, healthy: bool = True) -> Iterator[Server]:
+def run_server(
+    log_path: Path, *flags: str, healthy: bool = True, prefix: Sequence[str] = ()
+) -> Iterator[Server]:
     """``ferry serve --port 0 --api-key ... <flags>`` until the block exits; ``healthy``:
-    wait for /health to say 200 (not with workers still to join)."""
-    command = [*_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
+    wait for /health to say 200 (not with workers still to join); ``prefix``: a command
+    that runs it (such as ``setpriv ...``)."""
+    command = [*prefix, *_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
     with _process(command, log_path) as proc:
         model, base_url = _wait_ready(proc, log_path)
         if healthy:

@@ -87,11 +87,23 @@ def test_kv_tier_flags(monkeypatch, tmp_path):
     cache = serve.engine_config(parse("--kv-tiers", "none", "--host-kv-cache-gb", "1")).cache
     assert (cache.host_memory_gb, cache.kv_dir) == (0.0, "")
     assert serve.engine_config(parse("--kv-tiers", "host")).cache.host_memory_gb == 4.0
+    assert serve.engine_config(parse()).cache.file_mode == 0o600  # the owner only
+    for text in ("640", "0640", "0o640"):
+        assert serve.engine_config(parse("--kv-file-mode", text)).cache.file_mode == 0o640
+
+
+def test_body_and_generation_bounds():
+    config = serve.server_config(parse())
+    assert (config.max_body_mb, config.max_tokens) == (32.0, None)
+    config = serve.server_config(parse("--max-body-mb", "2", "--max-tokens", "4"))
+    assert (config.max_body_mb, config.max_tokens) == (2.0, 4)
 
 
 @pytest.mark.parametrize("argv", [
     ["--kv-tiers", "gpu"], ["--kv-tiers", ""], ["--host-kv-cache-gb", "-1"],
     ["--kv-file-ttl-hours", "0"], ["--kv-file-capacity-gb", "nan"],
+    ["--kv-file-mode", "400"], ["--kv-file-mode", "1600"], ["--kv-file-mode", "rw"],
+    ["--max-tokens", "0"], ["--max-body-mb", "0"],
 ])  # fmt: skip
 def test_bad_kv_tier_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
