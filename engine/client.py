@@ -50,6 +50,10 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineClient:
+    # the engine computes a request's prompt logprobs in its prefill and sends them on
+    # its first output (``RequestOutput.prompt_logprobs``)
+    serves_prompt_logprobs = True
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.stats = EngineStats()

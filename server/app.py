@@ -67,7 +67,7 @@ def create_app(config: ServerConfig, client: EngineLifecycle) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         name = config.served_model_name or client.model_name
-        app.state.serving = Serving(client, metrics, name)
+        app.state.serving = Serving(client, metrics, name, config.max_tokens_default)
         try:
             yield
         finally:

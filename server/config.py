@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A request that sets no max_tokens stops here: minutes at CPU speeds, not a worker held
+# until the context is full. An explicit value up to the context still works.
+MAX_TOKENS_DEFAULT = 2048
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -11,7 +15,8 @@ class ServerConfig:
 
     ``api_key``: when set, every ``/v1/*`` request must send ``Authorization: Bearer
     <key>``; ``/health`` and ``/metrics`` stay open. ``served_model_name``: the model id
-    clients see and send (default: the engine's model name).
+    clients see and send (default: the engine's model name). ``max_tokens_default``: the
+    output length of a request that sets no ``max_tokens`` (0: all the context leaves).
     """
 
     host: str = "127.0.0.1"
@@ -20,3 +25,4 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "info"
     graceful_shutdown_s: float = 5.0
+    max_tokens_default: int = MAX_TOKENS_DEFAULT

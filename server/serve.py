@@ -22,7 +22,7 @@ from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from router.config import PDConfig
 from router.policies import POLICIES
-from server.config import ServerConfig
+from server.config import MAX_TOKENS_DEFAULT, ServerConfig
 
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
 # slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
@@ -38,6 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
+    add_api_flags(p)
     topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
     topo.add_argument("--aggregated", action="store_true",
                       help="one engine process does prefill and decode (no KV transfer)")
@@ -51,6 +52,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     topo.add_argument("--redis", metavar="URL",
                       help="share workers and KV events with other frontends through Redis")
     return p  # fmt: skip
+
+
+def add_api_flags(p: argparse.ArgumentParser) -> None:
+    """What the OpenAI API does when a request leaves it open (``ServerConfig``)."""
+    p.add_argument("--max-tokens-default", type=_count, default=MAX_TOKENS_DEFAULT, metavar="N",
+                   help="output tokens of a request without max_tokens (0: fill the context; "
+                        f"default {MAX_TOKENS_DEFAULT})")
+    # fmt: skip
 
 
 def add_transfer_flags(group: Any) -> None:
@@ -114,6 +123,13 @@ def _tier_list(text: str) -> frozenset[str]:
     if not names or not names <= {"host", "file"}:
         raise argparse.ArgumentTypeError(f"{text!r}: expected host, file, host,file or none")
     return names
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
 
 
 def _at_least(low: float):
@@ -224,6 +240,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or envs.API_KEY.get(),
         served_model_name=args.served_model_name,
         log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
+        max_tokens_default=args.max_tokens_default,
     )
 
 
