@@ -4,6 +4,8 @@
 (``await client.start()``) and shuts it down on exit. Routes:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
+- ``POST /v1/responses`` (JSON or typed SSE events; ``server.responses``), ``GET`` and
+  ``DELETE /v1/responses/{id}`` for stored responses,
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
 - ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
   body lists each worker and whether it is alive), ``GET /metrics``,
@@ -30,10 +32,12 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server import errors
+from server import errors, responses
 from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.response_store import ResponseStore
+from server.responses_protocol import ResponsesRequest
 from server.serving import ChatRenderer, CompletionRenderer, EngineLike, Serving
 
 log = logging.getLogger("ferry.server")
@@ -43,7 +47,8 @@ M = TypeVar("M", bound=BaseModel)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _ENDPOINTS = {
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
+    "/metrics",
     "/internal/workers",
 }  # fmt: skip
 
@@ -77,6 +82,8 @@ def create_app(config: ServerConfig, client: EngineLifecycle) -> FastAPI:
     app.state.config = config
     app.state.client = client
     app.state.metrics = metrics
+    app.state.response_store = ResponseStore(config.response_store_size,
+                                             config.response_store_ttl_s)  # fmt: skip
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnected)
     _add_routes(app)
@@ -147,6 +154,27 @@ def _add_routes(app: FastAPI) -> None:
         if body.stream:
             return _event_stream(renderer.stream())
         return _json(await until_disconnected(request, renderer.response()))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await parse_body(request, ResponsesRequest)
+        store = request.app.state.response_store
+        renderer = await responses.prepare(_serving(request), store, body)
+        if body.stream:
+            return _event_stream(renderer.stream())
+        return _json(await until_disconnected(request, renderer.response()))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        return _json(responses.stored(request.app.state.response_store, response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        store = request.app.state.response_store
+        responses.stored(store, response_id)
+        store.delete(response_id)
+        body = {"id": response_id, "object": "response.deleted", "deleted": True}
+        return Response(json.dumps(body), media_type="application/json")
 
 
 class WorkerAnnouncement(BaseModel):

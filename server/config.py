@@ -17,6 +17,8 @@ class ServerConfig:
     <key>``; ``/health`` and ``/metrics`` stay open. ``served_model_name``: the model id
     clients see and send (default: the engine's model name). ``max_tokens_default``: the
     output length of a request that sets no ``max_tokens`` (0: all the context leaves).
+    ``response_store_size`` / ``response_store_ttl_s``: how many stored Responses API
+    responses are kept, and for how long, for ``previous_response_id`` and ``GET``.
     """
 
     host: str = "127.0.0.1"
@@ -26,3 +28,5 @@ class ServerConfig:
     log_level: str = "info"
     graceful_shutdown_s: float = 5.0
     max_tokens_default: int = MAX_TOKENS_DEFAULT
+    response_store_size: int = 1000
+    response_store_ttl_s: float = 3600.0

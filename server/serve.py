@@ -59,7 +59,10 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-default", type=_count, default=MAX_TOKENS_DEFAULT, metavar="N",
                    help="output tokens of a request without max_tokens (0: fill the context; "
                         f"default {MAX_TOKENS_DEFAULT})")
-    # fmt: skip
+    p.add_argument("--response-store-size", type=_count, default=1000, metavar="N",
+                   help="Responses API: stored responses kept for previous_response_id")
+    p.add_argument("--response-store-ttl", type=_at_least(0.0), default=3600.0, metavar="S",
+                   help="Responses API: seconds a stored response is kept")  # fmt: skip
 
 
 def add_transfer_flags(group: Any) -> None:
@@ -241,6 +244,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
         max_tokens_default=args.max_tokens_default,
+        response_store_size=args.response_store_size,
+        response_store_ttl_s=args.response_store_ttl,
     )
 
 
