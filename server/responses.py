@@ -128,6 +128,7 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         "stream": req.stream,
         "user": req.user,
         "parallel_tool_calls": req.parallel_tool_calls,
+        **{name: getattr(req, name) for name in req.EXTENSIONS},
     }
     if req.wants_logprobs:
         body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)

@@ -1,7 +1,8 @@
 """The Responses API's schemas (pydantic), as ``POST /v1/responses`` accepts and returns
 them: the request with its input items, and the response object with its output items.
 
-Unknown top-level fields are ignored (and logged once), as on chat. Fields the API
+Unknown top-level fields are ignored (and logged once), as on chat; chat's sampling
+extensions (``seed``, ``top_k``, ``ignore_eos``...) are accepted, as vLLM does. Fields the API
 defines that ferry cannot honour are named by ``ResponsesRequest.unsupported()``, which
 the server turns into a 400; hints that change nothing ferry does (``metadata``,
 ``user``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``, ...) are accepted.
@@ -10,7 +11,7 @@ the server turns into a 400; hints that change nothing ferry does (``metadata``,
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
 
@@ -138,6 +139,14 @@ class ResponsesRequest(RequestBody):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     truncation: str | None = None
+    # chat's sampling extensions (vLLM's), passed on as they are
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
     # defined by the API, not done by ferry: a 400 when set to anything but "off"
     background: bool | None = None
     conversation: Any = None
@@ -150,6 +159,11 @@ class ResponsesRequest(RequestBody):
     @classmethod
     def _needs_stream(cls, value: Any, info: ValidationInfo) -> Any:
         return stream_options_need_stream(value, info)
+
+    EXTENSIONS: ClassVar[tuple[str, ...]] = (
+        "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+        "repetition_penalty", "ignore_eos",
+    )  # fmt: skip
 
     def unsupported(self) -> list[str]:
         """The fields set to something ferry cannot do, by name (``tools.1.type``...)."""

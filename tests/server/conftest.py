@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,6 +44,16 @@ class Server:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
+
+    def openai(self) -> Any:
+        """The official client for this server (no retries: a failure shows at once)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.v1, api_key=self.api_key, timeout=120, max_retries=0)
+
+    def http(self) -> httpx.Client:
+        """An HTTP client on ``/v1`` with the API key; close it (``with``) when done."""
+        return httpx.Client(base_url=self.v1, headers=self.headers, timeout=120)
 
     def engine_pids(self) -> list[int]:
         """The engine processes ``ferry serve`` started (its children)."""

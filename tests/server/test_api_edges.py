@@ -30,13 +30,13 @@ class Booking(BaseModel):
 
 @pytest.fixture(scope="module")
 def http(server) -> httpx.Client:
-    with httpx.Client(base_url=server.v1, headers=server.headers, timeout=120) as client:
-        yield client
+    with server.http() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=server.api_key, timeout=120, max_retries=0)
+    return server.openai()
 
 
 def _error(response: httpx.Response) -> dict:

@@ -32,14 +32,13 @@ def aggregated(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(aggregated) -> httpx.Client:
-    with httpx.Client(base_url=aggregated.v1, headers=aggregated.headers, timeout=120) as c:
+    with aggregated.http() as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(aggregated) -> openai.OpenAI:
-    return openai.OpenAI(base_url=aggregated.v1, api_key=aggregated.api_key, timeout=120,
-                         max_retries=0)  # fmt: skip
+    return aggregated.openai()
 
 
 def completion(http: httpx.Client, **body) -> dict:

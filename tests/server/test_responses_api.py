@@ -36,12 +36,12 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.v1, api_key=server.api_key, timeout=120, max_retries=0)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
 def http(server) -> httpx.Client:
-    with httpx.Client(base_url=server.v1, headers=server.headers, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 
