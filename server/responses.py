@@ -80,6 +80,8 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     with several ``tool_calls``."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
+    if not req.input:
+        raise invalid_request("input must not be empty", "input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(req.input):
         if isinstance(item, MessageItem):

@@ -123,7 +123,7 @@ class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Input
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None

@@ -150,6 +150,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
+def api_server(server: Server) -> Server:
+    """The server ``client`` and ``http`` talk to; a module that starts its own overrides
+    this fixture."""
+    return server
+
+
+@pytest.fixture(scope="module")
+def client(api_server: Server) -> Any:
+    """The official ``openai`` client on ``api_server``."""
+    return api_server.openai()
+
+
+@pytest.fixture(scope="module")
+def http(api_server: Server) -> Iterator[httpx.Client]:
+    """An HTTP client on ``api_server``'s ``/v1``, with the API key."""
+    with api_server.http() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def doomed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A server of its own, with the random-weight ``dummy:tiny`` model, for tests that
     kill its engine."""

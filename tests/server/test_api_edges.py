@@ -28,17 +28,6 @@ class Booking(BaseModel):
     people: int = Field(ge=1, le=9)
 
 
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    with server.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server.openai()
-
-
 def _error(response: httpx.Response) -> dict:
     assert response.status_code == 400, response.text
     return response.json()["error"]

@@ -106,6 +106,18 @@ def test_api_key_from_flag_or_environment(monkeypatch):
     assert serve.server_config(parse()).api_key is None
 
 
+def test_api_flags_reach_the_server_config(capsys):
+    default = serve.server_config(parse())
+    assert (default.max_tokens_default, default.response_store_size) == (2048, 1000)
+    given = serve.server_config(parse("--max-tokens-default", "0", "--response-store-size",
+                                      "5", "--response-store-ttl", "60"))  # fmt: skip
+    assert (given.max_tokens_default, given.response_store_size) == (0, 5)
+    assert given.response_store_ttl_s == 60.0
+    with pytest.raises(SystemExit):
+        parse("--max-tokens-default", "-1")
+    assert "--max-tokens-default" in capsys.readouterr().err
+
+
 MINIMAL_ARGS = {
     "bench": ["--url", "http://127.0.0.1:1", "--out", "x.json", "--concurrency", "1"],
     "worker": ["--role", "decode"],

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 from conftest import run_server
 
@@ -31,14 +30,8 @@ def aggregated(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def http(aggregated) -> httpx.Client:
-    with aggregated.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(aggregated) -> openai.OpenAI:
-    return aggregated.openai()
+def api_server(aggregated):
+    return aggregated
 
 
 def completion(http: httpx.Client, **body) -> dict:

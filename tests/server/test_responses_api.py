@@ -34,17 +34,6 @@ class City(BaseModel):
     country: str = Field(max_length=16)
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    with server.http() as c:
-        yield c
-
-
 def create(client: openai.OpenAI, server, **kwargs):
     kwargs.setdefault("temperature", 0)
     kwargs.setdefault("max_output_tokens", 24)
@@ -178,6 +167,8 @@ def test_a_forced_call_cut_short_is_incomplete_without_the_call(client, server):
     ({"tool_choice": {"type": "web_search"}, "tools": [WEATHER]}, "tool_choice"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": []}, "input"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content"),
 ])  # fmt: skip
@@ -195,3 +186,15 @@ def test_hints_and_unknown_fields_are_accepted(http):
     response = http.post("/responses", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["metadata"] == {"k": "v"}
+
+
+def test_a_stream_left_early_frees_its_request(client, server, http):
+    events = create(client, server, input="Tell me a long story about the sea.", stream=True,
+                    max_output_tokens=200)  # fmt: skip
+    for event in events:
+        if event.type == "response.output_text.delta":
+            break
+    events.close()
+    after = create(client, server, input="Hi", max_output_tokens=2)
+    assert after.status in ("completed", "incomplete")
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
