@@ -216,12 +216,12 @@ class ResponsesRenderer:
             user=req.user, metadata=req.metadata or {},
         )  # fmt: skip
 
-    def _message(self, text: str, status: str, logprobs: list | None) -> OutputMessage:
+    def message_item(self, text: str, status: str, logprobs: list | None) -> OutputMessage:
         part = OutputText(text=text, logprobs=logprobs)
         return OutputMessage(id=self.message_id, status=status, content=[part])
 
     @staticmethod
-    def _call(call: ToolCall) -> FunctionCallOutput:
+    def call_item(call: ToolCall) -> FunctionCallOutput:
         function = call.function
         return FunctionCallOutput(id=_new_id("fc"), call_id=call.id, name=function.name,
                                   arguments=function.arguments, status="completed")  # fmt: skip
@@ -233,8 +233,8 @@ class ResponsesRenderer:
             calls = [ToolCall(id=o.call_id, function={"name": o.name, "arguments": o.arguments})
                      for o in output if isinstance(o, FunctionCallOutput)]  # fmt: skip
             texts = [o.content[0].text for o in output if isinstance(o, OutputMessage)]
-            reply = AssistantMessage(content=texts[0] if texts else None,
-                                     tool_calls=calls or None)  # fmt: skip
+            content = texts[0] if texts else (None if calls else "")  # never neither
+            reply = AssistantMessage(content=content, tool_calls=calls or None)
             messages = (*self.history, reply.model_dump(exclude_none=True))
             self.store.put(StoredResponse(response, messages))
         return response
@@ -246,9 +246,9 @@ class ResponsesRenderer:
         output: list[OutputItem] = []
         if reply.message.content is not None:
             logprobs = [self.logprobs.chat(e) for e in reply.logprobs]
-            output.append(self._message(reply.message.content, _item_status(status),
+            output.append(self.message_item(reply.message.content, _item_status(status),
                                         logprobs if self.req.wants_logprobs else None))  # fmt: skip
-        output += [self._call(c) for c in reply.message.tool_calls or []]
+        output += [self.call_item(c) for c in reply.message.tool_calls or []]
         return self._finish(status, output, _usage(done.usage))
 
     async def stream(self) -> AsyncIterator[str]:
@@ -327,7 +327,7 @@ class _EventStream:
         lines = []
         message = self._message
         if message is None:
-            message = self._message = self.renderer._message("", "in_progress", None)
+            message = self._message = self.renderer.message_item("", "in_progress", None)
             message.content = []
             self.output.append(message)
             lines.append(self.send("response.output_item.added",
@@ -363,7 +363,7 @@ class _EventStream:
         """A whole tool call (streamed calls come whole) as its item's events."""
         call = ToolCall(id=delta.id, function={"name": delta.function.name,
                                                "arguments": delta.function.arguments})
-        item = self.renderer._call(call)
+        item = self.renderer.call_item(call)
         self.output.append(item)
         opened = item.model_copy(update={"arguments": "", "status": "in_progress"})
         where = self._where(item)

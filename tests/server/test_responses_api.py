@@ -155,6 +155,9 @@ def test_a_forced_call_cut_short_is_incomplete_without_the_call(client, server):
             assert not [e for e in events if e.type.startswith("response.output_item")]
             reply = events[-1].response
         assert reply.status == "incomplete" and reply.output == []
+        after = create(client, server, input="Hi", previous_response_id=reply.id,
+                       max_output_tokens=2)  # a conversation goes on from an empty reply
+        assert after.previous_response_id == reply.id
 
 
 @pytest.mark.parametrize("body, param", [
