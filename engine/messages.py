@@ -45,12 +45,15 @@ class Shutdown(msgspec.Struct, tag=True, frozen=True):
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
-    """The sampled token's logprob and the top alternatives (ids, logprobs)."""
+    """The sampled (or, for a prompt, the given) token's logprob and the top alternatives
+    (ids, logprobs, best first). ``rank``: the token's 1-based rank in the distribution,
+    set for prompt tokens."""
 
     token_id: int
     logprob: float
     top_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -63,6 +66,9 @@ class RequestOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprob] | None = None
     stop_token_id: int | None = None
     error: str | None = None
+    # on the request's first output when ``sampling.prompt_logprobs`` is set: one entry per
+    # prompt token, the first None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True):

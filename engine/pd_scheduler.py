@@ -115,7 +115,7 @@ class DecodeScheduler(Scheduler):
 
     def add(self, req: Request) -> None:
         threshold = self._kv_expected.pop(req.request_id, None)
-        if threshold is None or req.num_tokens - self.kv.match_prefix(req).num_tokens <= threshold:
+        if threshold is None or self._missing_tokens(req) <= threshold:
             super().add(req)
             return
         if req.request_id in self.requests:
@@ -123,6 +123,13 @@ class DecodeScheduler(Scheduler):
         self.requests[req.request_id] = req
         req.status = Status.AWAITING_KV
         self.reserving.append(req)
+
+    def _missing_tokens(self, req: Request) -> int:
+        """Tokens of ``req`` no cache here holds (all of them when it computes its whole
+        prompt: its prompt logprobs are wanted)."""
+        if req.computes_whole_prompt:
+            return req.num_tokens
+        return req.num_tokens - self.kv.match_prefix(req).num_tokens
 
     def reserve_pending(self) -> list[Request]:
         """Reserve blocks for queued incoming requests, in order, while they fit."""

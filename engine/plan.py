@@ -69,8 +69,11 @@ class StepResult:
     """What the runner sampled: for each chunk with ``sample``, one token (and logprobs).
 
     ``ended``: requests whose sampled token completed their grammar; they stop there.
+    ``prompt_logprobs``: for requests that asked and sampled their first token this step,
+    one entry per prompt token (``TokenLogprob``; the first None).
     """
 
     sampled: dict[str, int]
     logprobs: dict[str, object] = field(default_factory=dict)  # request_id -> TokenLogprob
     ended: frozenset[str] = frozenset()
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)

@@ -74,6 +74,12 @@ class Request:
         self.num_unresolved -= 1
 
     @property
+    def computes_whole_prompt(self) -> bool:
+        """True while every prompt position must run through the model: the request asks
+        for prompt logprobs and has no output yet (so none were sent)."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 

@@ -4,6 +4,14 @@ The runner keeps, per request, only what sampling needs (params, generator, toke
 so far, the grammar matcher of a structured request); everything about *which* tokens
 run and where their KV goes comes in the plan.
 
+Prompt logprobs (``sampling.prompt_logprobs``): each prefill chunk of such a request also
+computes the logits of its prompt positions (``PROMPT_LOGPROB_ROWS`` rows at a time) and
+keeps the logprob of the prompt token that follows each; the step that samples the
+request's first token returns them all in ``StepResult.prompt_logprobs`` (first entry
+None). A chunk recomputed after a preemption replaces what it computed before. Only the
+prompt's first prefill computes them: a request that arrives with output tokens (resumed
+elsewhere) does not.
+
 Decode-only steps replay a CUDA graph when ``capture_decode_graphs`` has run
 (``engine.cuda_graphs``); other steps run eagerly. Either way the step's forward and its
 sampling only queue device work: inputs go over from pinned memory without waiting, and
@@ -21,13 +29,16 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from engine.messages import TokenLogprob
 from engine.models.base import CausalLM
-from engine.plan import NewRequest, StepPlan, StepResult
+from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.request import UNRESOLVED
-from engine.sampler import SampledTokens, Sampler, SamplingRow
+from engine.sampler import PromptLogprobs, SampledTokens, Sampler, SamplingRow
 from engine.structured import GrammarState, build_mask
 
 log = logging.getLogger("ferry.runner")
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits exist at once (rows x vocab floats)
 
 
 @dataclass
@@ -36,6 +47,32 @@ class _RowState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     grammar: GrammarState | None = None
+    # prompt logprobs computed so far: (first position, its rows' logprobs), by position
+    prompt_parts: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
+    prompt_sent: bool = False
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.new.sampling.prompt_logprobs is not None and not self.prompt_sent
+
+    def prompt_rows(self, chunk: ScheduledChunk) -> range:
+        """Positions of ``chunk`` whose logits predict a prompt token (none once sent)."""
+        if not self.wants_prompt_logprobs:
+            return range(0)
+        return range(chunk.start_pos, min(chunk.end_pos, len(self.new.prompt_token_ids) - 1))
+
+    def add_prompt_part(self, start: int, part: PromptLogprobs) -> None:
+        """Keep ``part``; whatever was computed from ``start`` on before (a chunk run again
+        after a preemption) is dropped."""
+        self.prompt_parts = [(s, p) for s, p in self.prompt_parts if s < start]
+        self.prompt_parts.append((start, part))
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None]:
+        entries: list[TokenLogprob | None] = [None]
+        for _, part in self.prompt_parts:
+            entries += part.to_host()
+        self.prompt_parts, self.prompt_sent = [], True
+        return entries
 
     def row(self) -> SamplingRow:
         return SamplingRow(
@@ -106,9 +143,14 @@ class ModelRunner:
             return StepResult({})
         sample_ids, tokens = launched
         out = tokens.to_host()  # the step's one device-to-host copy: waits for the step
+        prompt = {
+            rid: state.take_prompt_logprobs()
+            for rid in sample_ids
+            if (state := self.states.get(rid)) is not None and state.wants_prompt_logprobs
+        }
         ended = self._advance(sample_ids, out.token_ids)
         logprobs = {rid: lp for rid, lp in zip(sample_ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(sample_ids, out.token_ids)), logprobs, ended)
+        return StepResult(dict(zip(sample_ids, out.token_ids)), logprobs, ended, prompt)
 
     def resolve_inputs(self, ids: torch.Tensor, host_ids: np.ndarray, owners: list[str]) -> None:
         """Replace, in the device tensor ``ids`` (a copy of ``host_ids``), every
@@ -138,7 +180,8 @@ class ModelRunner:
         """Logits of the rows to sample and their request ids."""
         chunks = plan.chunks
         sample_ids = [c.request_id for c in chunks if c.sample]
-        if self.graphs is not None and self.graphs.accepts(chunks):
+        prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
+        if self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows):
             if not sample_ids:
                 return torch.empty(0), []
             logits = self.graphs.run(chunks)
@@ -150,9 +193,29 @@ class ModelRunner:
         hidden = self.model(
             inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
         )
+        if any(prompt_rows):
+            self._prompt_logprobs(chunks, prompt_rows, hidden)
         if not inputs.sample_ids:
             return torch.empty(0), []
         return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_ids
+
+    def _prompt_logprobs(
+        self, chunks: list[ScheduledChunk], rows: list[range], hidden: torch.Tensor
+    ) -> None:
+        """Queue the logprobs of each chunk's prompt ``rows`` (positions) onto its state, from
+        the step's hidden states (one row per token, chunks in order)."""
+        first_row = 0
+        for chunk, positions in zip(chunks, rows):
+            state = self.states[chunk.request_id]
+            prompt = state.new.prompt_token_ids
+            for start in range(positions.start, positions.stop, PROMPT_LOGPROB_ROWS):
+                stop = min(start + PROMPT_LOGPROB_ROWS, positions.stop)
+                at = first_row + start - chunk.start_pos
+                logits = self.model.compute_logits(hidden[at : at + stop - start])
+                targets = _to_device(np.array(prompt[start + 1 : stop + 1], np.int64), self.device)
+                k = state.new.sampling.prompt_logprobs or 0
+                state.add_prompt_part(start, self.sampler.prompt_logprobs(logits, targets, k))
+            first_row += chunk.num_tokens
 
     def _advance(self, request_ids: list[str], tokens: list[int]) -> frozenset[str]:
         """Record each sampled token; returns the requests whose grammar it completed."""
@@ -180,7 +243,8 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(new.sampling.seed)
             outputs = list(new.output_token_ids)
             grammar = None if new.grammar is None else GrammarState.resume(new.grammar, outputs)
-            self.states[new.request_id] = _RowState(new, generator, outputs, grammar)
+            state = _RowState(new, generator, outputs, grammar, prompt_sent=bool(outputs))
+            self.states[new.request_id] = state
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs = self.block_size

@@ -28,6 +28,10 @@ Logprobs are the raw model's, as vLLM reports them by default: ``log_softmax`` o
 logits before any step above; the sampled token's plus the ``params.logprobs`` best tokens,
 best first.
 
+Prompt logprobs (``Sampler.prompt_logprobs(logits, targets, k)``): the same raw logprobs of
+*given* tokens, one per row (a prompt position's logits and the prompt token that follows
+it), with each token's rank and the ``k`` best tokens; nothing is sampled.
+
 No host-device synchronisation: on CUDA every host value (parameters, row indices, token ids)
 reaches the device through a non-blocking copy from pinned memory, sizes that depend on the
 data (top-p's candidate count) are replaced by fixed ones, and ``Sampler.sample`` returns
@@ -169,6 +173,12 @@ class Sampler:
         raw = logits[:, : self.vocab_size]
         tokens = self._choose(apply_mask(process_logits(raw, rows), raw, mask), rows)
         return SampledTokens(tokens, token_logprobs_on_device(raw, rows, tokens))
+
+    def prompt_logprobs(
+        self, logits: torch.Tensor, targets: torch.Tensor, k: int
+    ) -> PromptLogprobs:
+        """Raw logprobs of ``targets[i]`` under row ``i`` of ``logits``, left on the device."""
+        return prompt_logprobs_on_device(logits[:, : self.vocab_size], targets, k)
 
     def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
@@ -419,6 +429,39 @@ def token_logprobs_on_device(
     ks = [rows[i].params.logprobs for i in index]
     top = logprobs.topk(max(ks)) if max(ks) else None
     return _DeviceLogprobs(index, ks, chosen, picked, top and top.values, top and top.indices)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of given tokens (a prompt's), still on the device; ``to_host`` copies them."""
+
+    targets: torch.Tensor  # [M] the tokens
+    chosen: torch.Tensor  # [M] their logprobs
+    ranks: torch.Tensor  # [M] 1 + how many tokens are more likely
+    top_values: torch.Tensor | None  # [M, k]
+    top_ids: torch.Tensor | None
+
+    def to_host(self) -> list[TokenLogprob]:
+        targets, chosen, ranks = self.targets.tolist(), self.chosen.tolist(), self.ranks.tolist()
+        empty = [[]] * len(targets)
+        top_values = empty if self.top_values is None else self.top_values.tolist()
+        top_ids = empty if self.top_ids is None else self.top_ids.tolist()
+        return [
+            TokenLogprob(t, lp, ids, values, rank)
+            for t, lp, rank, ids, values in zip(targets, chosen, ranks, top_ids, top_values)
+        ]
+
+
+def prompt_logprobs_on_device(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> PromptLogprobs:
+    """Raw-model logprobs of ``targets[i]`` under row ``i`` of ``logits``, their ranks and the
+    ``k`` best tokens of each row."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
+    top = logprobs.topk(k) if k else None
+    return PromptLogprobs(targets, chosen, ranks, top and top.values, top and top.indices)
 
 
 def token_logprobs(

@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the sampled token plus k top alternatives
+    # None: off; k >= 0: each prompt token's logprob plus k top alternatives, computed in the
+    # prefill (which then skips the prefix cache: every prompt position runs the model)
+    prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured output: only text the grammar accepts
 
     def __post_init__(self) -> None:
@@ -68,6 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             yield f"max_tokens must be >= 1, got {self.max_tokens}"
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             yield f"top_logprobs must be in [0, 20], got {self.logprobs}"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            yield f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
         for token, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
                 yield f"logit_bias for token {token} must be in [-100, 100], got {bias}"

@@ -7,6 +7,11 @@ sequences go first (a decode costs one token, an unfinished prefill continues wi
 next chunk), then waiting ones in arrival order. When blocks run out, the most recently
 admitted running sequence is preempted: its blocks are freed and it re-enters the queue
 head, to be recomputed (mostly from the prefix cache) later.
+
+A request that asks for prompt logprobs skips the prefix-cache match until it has its
+first token: every prompt position must run through the model for its logprobs (the
+runner computes them in the same prefill), so a cached prefix is recomputed for it, and
+only for it; its ``num_cached_tokens`` is 0.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 
 from engine.config import SchedulerConfig
-from engine.kv_cache.manager import KVCacheManager, PrefixMatch
+from engine.kv_cache.manager import NO_MATCH, KVCacheManager, PrefixMatch
 from engine.messages import EngineStats, RequestOutput
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.request import UNRESOLVED, Request, Status
@@ -90,7 +95,7 @@ class Scheduler:
         new_requests = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            match = self.kv.match_prefix(req)
+            match = NO_MATCH if req.computes_whole_prompt else self.kv.match_prefix(req)
             n = min(req.num_tokens - match.num_tokens, budget)
             if not self.kv.can_allocate(req, n, match):
                 break
@@ -180,6 +185,7 @@ class Scheduler:
                     if req.request_id in result.logprobs
                     else None,
                     req.stop_token_id,
+                    prompt_logprobs=result.prompt_logprobs.get(req.request_id),
                 )
             )
             if reason is not None:

@@ -304,7 +304,7 @@ class DisaggClient:
             self.transfers.record(msg.num_blocks, msg.num_bytes, msg.seconds,
                                   msg.num_streamed_blocks)  # fmt: skip
             self._first_token(wid, transfer, msg.output)
-            decode.send(KVReady(msg.output))
+            decode.send(KVReady(msgspec.structs.replace(msg.output, prompt_logprobs=None)))
             return
         if not msg.aborted:
             self.transfers.failures.inc()

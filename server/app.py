@@ -4,6 +4,8 @@
 (``await client.start()``) and shuts it down on exit. Routes:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
+- ``POST /v1/responses`` (JSON or typed SSE events; ``server.responses``), ``GET`` and
+  ``DELETE /v1/responses/{id}`` for stored responses,
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
 - ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
   body lists each worker and whether it is alive), ``GET /metrics``,
@@ -32,11 +34,13 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.client import ServingClient, WorkerRefused
-from server import errors, openapi
+from server import errors, openapi, responses
 from server.body import parse_body as parse_json_body
 from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE, Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.response_store import ResponseStore
+from server.responses_protocol import ResponsesRequest
 from server.serving import ChatRenderer, CompletionRenderer, Serving
 
 log = logging.getLogger("ferry.server")
@@ -51,7 +55,8 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
 }
 _ENDPOINTS = {
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
+    "/metrics",
     "/internal/workers",
 }  # fmt: skip
 
@@ -65,7 +70,8 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         name = config.served_model_name or client.model_name
-        app.state.serving = Serving(client, metrics, name, max_tokens=config.max_tokens)
+        app.state.serving = Serving(client, metrics, name, config.max_tokens_default,
+                                    config.max_tokens_limit)  # fmt: skip
         try:
             yield
         finally:
@@ -75,6 +81,8 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     app.state.config = config
     app.state.client = client
     app.state.metrics = metrics
+    app.state.response_store = ResponseStore(config.response_store_size,
+                                             config.response_store_ttl_s)  # fmt: skip
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnected)
     _add_routes(app)
@@ -146,6 +154,27 @@ def _add_routes(app: FastAPI) -> None:
         if body.stream:
             return _event_stream(renderer.stream())
         return _json(await until_disconnected(request, renderer.response()))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await parse_body(request, ResponsesRequest)
+        store = request.app.state.response_store
+        renderer = await responses.prepare(_serving(request), store, body)
+        if body.stream:
+            return _event_stream(renderer.stream())
+        return _json(await until_disconnected(request, renderer.response()))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        return _json(responses.stored(request.app.state.response_store, response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        store = request.app.state.response_store
+        responses.stored(store, response_id)
+        store.delete(response_id)
+        body = {"id": response_id, "object": "response.deleted", "deleted": True}
+        return Response(json.dumps(body), media_type="application/json")
 
 
 class WorkerAnnouncement(BaseModel):

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 from server.body import DEFAULT_MAX_BODY_MB
 
+# A request that sets no max_tokens stops here: minutes at CPU speeds, not a worker held
+# until the context is full. An explicit value up to the context still works.
+MAX_TOKENS_DEFAULT = 2048
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -14,8 +18,12 @@ class ServerConfig:
     ``api_key``: when set, every ``/v1/*`` request must send ``Authorization: Bearer
     <key>``; ``/health`` and ``/metrics`` stay open. ``served_model_name``: the model id
     clients see and send (default: the engine's model name). ``max_body_mb``: larger
-    request bodies get 413 before they are read. ``max_tokens``: the most tokens one
-    request may generate (None: the context decides; ``Serving``).
+    request bodies get 413 before they are read. ``max_tokens_default``: the output
+    length of a request that sets no ``max_tokens`` (0: all the context leaves);
+    ``max_tokens_limit``: the most tokens any request generates, whatever it asks (None:
+    the context decides; ``Serving``).
+    ``response_store_size`` / ``response_store_ttl_s``: how many stored Responses API
+    responses are kept, and for how long, for ``previous_response_id`` and ``GET``.
     """
 
     host: str = "127.0.0.1"
@@ -25,4 +33,7 @@ class ServerConfig:
     log_level: str = "info"
     graceful_shutdown_s: float = 5.0
     max_body_mb: float = DEFAULT_MAX_BODY_MB
-    max_tokens: int | None = None
+    max_tokens_limit: int | None = None
+    max_tokens_default: int = MAX_TOKENS_DEFAULT
+    response_store_size: int = 1000
+    response_store_ttl_s: float = 3600.0

@@ -1,7 +1,8 @@
 """OpenAI request and response schemas (pydantic), as ``/v1/chat/completions`` and
 ``/v1/completions`` accept and return them.
 
-Requests ignore unknown fields, like OpenAI. Range checks of sampling values are not
+Requests ignore unknown top-level fields, like OpenAI and vLLM; each unknown name is
+logged once, at debug level (``ferry.server``). Range checks of sampling values are not
 repeated here: ``engine.sampling_params.SamplingParams`` owns them and the serving
 layer turns its ``ValueError`` into a 400. What is bounded here is what would cost the
 server before any such check: integers fit in 64 bits (``Int64``: no 4,300-digit
@@ -13,14 +14,16 @@ fields are kept (OpenAI sends ``null``).
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -31,15 +34,46 @@ MAX_CHOICES = 128  # sequences one request may start: n x prompts
 MAX_STOP_STRINGS = 4
 MAX_TOKEN_ID_DIGITS = 10  # token ids are below 2**31
 
+MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged; later ones are not
+
 Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+log = logging.getLogger("ferry.server")
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class RequestBody(_Request):
+    """A whole request body: unknown top-level fields are ignored, and the first time a
+    name is seen (per body type) it is logged at debug level."""
+
+    _logged: ClassVar[set[tuple[str, str]]] = set()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _note_unknown(cls, data: Any) -> Any:
+        if isinstance(data, dict) and log.isEnabledFor(logging.DEBUG):
+            known = {n for name, f in cls.model_fields.items() for n in (name, f.alias) if n}
+            for name in sorted(set(data) - known):
+                key = (cls.__name__, str(name)[:64])
+                if key not in cls._logged and len(cls._logged) < MAX_LOGGED_UNKNOWN:
+                    cls._logged.add(key)
+                    log.debug("%s: ignoring unknown field %r", cls.__name__, key[1])
+        return data
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+def stream_options_need_stream(value: Any, info: ValidationInfo) -> Any:
+    """``stream_options`` with ``stream`` false is a 400, as OpenAI answers (declare
+    ``stream`` before ``stream_options``)."""
+    if value is not None and not info.data.get("stream", False):
+        raise ValueError("stream_options is only allowed when stream is true")
+    return value
 
 
 class TextPart(_Request):
@@ -78,11 +112,19 @@ class NamedToolChoice(_Request):
 
 
 class ChatMessage(_Request):
+    """Content is required except on an assistant message that makes tool calls."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_given(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
 
 class JsonSchemaFormat(_Request):
@@ -128,7 +170,7 @@ class StructuredOutputs(_Request):
         return self
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestBody):
     """Fields shared by chat and completions: OpenAI's plus vLLM's common extensions."""
 
     model: str | None = None
@@ -152,6 +194,12 @@ class SamplingFields(_Request):
     stop_token_ids: list[Int64] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: int | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> Any:
+        return stream_options_need_stream(value, info)
 
     @field_validator("stop")
     @classmethod
@@ -180,10 +228,22 @@ class SamplingFields(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("stream", False):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
+
     @property
     def num_logprobs(self) -> int | None:
         """Top alternatives per token the engine should return (None: no logprobs)."""
         return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token the engine should return (None: none)."""
+        return self.prompt_logprobs
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -264,8 +324,30 @@ class CompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` scores the prompt too; vLLM's ``prompt_logprobs``."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if n is not None]  # fmt: skip
+        return max(wanted) if wanted else None
+
 
 # ---- responses ------------------------------------------------------------------------
+
+
+class _OmitsNone(BaseModel):
+    """Fields named in ``_omit_none`` are left out of the JSON when None (as OpenAI leaves
+    out ``tool_calls``, and vLLM's ``prompt_logprobs`` extension when not asked for)."""
+
+    _omit_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body = handler(self)
+        for name in self._omit_none:
+            if body.get(name) is None:
+                body.pop(name, None)
+        return body
 
 
 class PromptTokensDetails(BaseModel):
@@ -302,6 +384,18 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class PromptLogprob(BaseModel):
+    """One token of vLLM's ``prompt_logprobs``: keyed by token id in its position's dict."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# per prompt token (the first None): the token itself, then the top alternatives
+PromptLogprobList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -320,19 +414,13 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_OmitsNone):
     """``tool_calls`` is left out when there are none, as OpenAI does."""
 
+    _omit_none = ("tool_calls",)
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_no_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        body = handler(self)
-        if body.get("tool_calls") is None:
-            body.pop("tool_calls", None)
-        return body
 
 
 class ChatChoice(BaseModel):
@@ -342,7 +430,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitsNone):
+    _omit_none = ("prompt_logprobs",)
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -350,6 +439,7 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobList | None = None  # vLLM's extension
 
 
 class ChatDelta(BaseModel):
@@ -404,11 +494,13 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitsNone):
+    _omit_none = ("prompt_logprobs",)
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobList | None = None  # vLLM's extension
 
 
 class CompletionResponse(BaseModel):

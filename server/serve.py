@@ -24,7 +24,7 @@ from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.policies import POLICIES
 from server.body import DEFAULT_MAX_BODY_MB
-from server.config import ServerConfig
+from server.config import MAX_TOKENS_DEFAULT, ServerConfig
 
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
 # slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
@@ -40,11 +40,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
-    p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
-                   help="larger request bodies get 413 before they are read")
-    p.add_argument("--max-tokens", type=_positive, metavar="N",
-                   help="most tokens one request generates; one asking for more gets N "
-                        "(default: as many as the context holds)")  # fmt: skip
+    add_api_flags(p)
     topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
     topo.add_argument("--aggregated", action="store_true",
                       help="one engine process does prefill and decode (no KV transfer)")
@@ -58,6 +54,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     topo.add_argument("--redis", metavar="URL",
                       help="share workers and KV events with other frontends through Redis")
     return p  # fmt: skip
+
+
+def add_api_flags(p: argparse.ArgumentParser) -> None:
+    """What the HTTP API takes and what it does when a request leaves a value open
+    (``ServerConfig``)."""
+    p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
+                   help="larger request bodies get 413 before they are read")
+    p.add_argument("--max-tokens-default", type=_int_at_least(0), default=MAX_TOKENS_DEFAULT,
+                   metavar="N", help="output tokens of a request without max_tokens (0: fill "
+                   f"the context; default {MAX_TOKENS_DEFAULT})")
+    p.add_argument("--max-tokens-limit", type=_int_at_least(1), metavar="N",
+                   help="most tokens any request generates; one asking for more gets N "
+                        "(default: as many as the context holds)")
+    p.add_argument("--response-store-size", type=_int_at_least(0),
+                   default=ServerConfig.response_store_size, metavar="N",
+                   help="Responses API: stored responses kept for previous_response_id")
+    p.add_argument("--response-store-ttl", type=_at_least(0.0),
+                   default=ServerConfig.response_store_ttl_s, metavar="S",
+                   help="Responses API: seconds a stored response is kept")  # fmt: skip
 
 
 def add_transfer_flags(group: Any) -> None:
@@ -139,11 +154,14 @@ def _file_mode(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: an octal mode such as 600; {exc}") from None
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive count")
-    return value
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return value
+
+    return parse
 
 
 def _at_least(low: float):
@@ -264,7 +282,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         served_model_name=args.served_model_name,
         log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
         max_body_mb=args.max_body_mb,
-        max_tokens=args.max_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_tokens_default=args.max_tokens_default,
+        response_store_size=args.response_store_size,
+        response_store_ttl_s=args.response_store_ttl,
     )
 
 

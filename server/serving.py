@@ -31,8 +31,10 @@ from engine.client import EngineDeadError, ServingClient
 from engine.messages import RequestOutput, TokenLogprob
 from engine.sampling_params import GrammarSpec, SamplingParams
 from server.errors import APIError, engine_unavailable, invalid_request, model_not_found
+from server.logprobs import LogprobFormatter
 from server.metrics import Metrics
 from server.protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -41,14 +43,12 @@ from server.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatMessage,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     SamplingFields,
     TextPart,
-    TopLogprob,
     Usage,
 )
 from server.structured import (
@@ -115,6 +115,7 @@ class ChoiceEvent:
     num_new_tokens: int  # tokens generated since the previous event (released or not)
     num_cached_tokens: int
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the choice's first event
 
 
 class Tally:
@@ -142,21 +143,23 @@ class Tally:
 
 
 class Serving:
-    """Validation, fan-out and detokenization shared by chat and completions."""
+    """Validation, fan-out and detokenization shared by chat and completions.
+
+    ``max_tokens_default``: the output length of a request that gives none (0: whatever
+    room the context leaves); an explicit value up to the context is honoured.
+    ``max_tokens_limit``: the most tokens one request generates (asking for more gets that
+    many); None: as many as the context holds.
+    """
 
     def __init__(
-        self,
-        client: ServingClient,
-        metrics: Metrics,
-        model_name: str,
-        max_tokens: int | None = None,
-    ) -> None:
-        """``max_tokens``: the most tokens one request generates (asking for more gets that
-        many); None: as many as the context holds."""
+        self, client: ServingClient, metrics: Metrics, model_name: str,
+        max_tokens_default: int = 0, max_tokens_limit: int | None = None,
+    ) -> None:  # fmt: skip
         self.client = client
         self.metrics = metrics
         self.model_name = model_name
-        self.max_tokens = max_tokens
+        self.max_tokens_default = max_tokens_default
+        self.max_tokens_limit = max_tokens_limit
 
     @property
     def tokenizer(self) -> Any:
@@ -246,13 +249,13 @@ class Serving:
             raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
 
     def _max_tokens(self, prompt_len: int, requested: int | None, where: str) -> int:
-        """``requested`` (None: fill the context), lowered to the server's ``max_tokens``
-        and checked against the context length."""
+        """``requested`` (None: the server's default), lowered to the server's limit and
+        checked against the context length; a default is cut to what the context leaves."""
         limit = self.client.max_model_len
         if requested is not None and requested < 1:
             raise invalid_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
-        if requested is not None and self.max_tokens is not None:
-            requested = min(requested, self.max_tokens)
+        if requested is not None and self.max_tokens_limit is not None:
+            requested = min(requested, self.max_tokens_limit)
         if prompt_len + (requested or 1) > limit:
             completion = requested or 0
             raise invalid_request(
@@ -264,7 +267,9 @@ class Serving:
             )
         if requested is not None:
             return requested
-        return min(limit - prompt_len, self.max_tokens or limit)
+        room = limit - prompt_len
+        bounds = [b for b in (self.max_tokens_default, self.max_tokens_limit) if b]
+        return min([room, *bounds])
 
     def _job(
         self,
@@ -305,6 +310,7 @@ class Serving:
             "repetition_penalty": req.repetition_penalty,
             "seed": None if req.seed is None else req.seed + i,
             "logprobs": req.num_logprobs,
+            "prompt_logprobs": req.num_prompt_logprobs,
         }
         try:
             return SamplingParams(
@@ -409,6 +415,7 @@ def _event(
         num_new_tokens=len(out.new_token_ids),
         num_cached_tokens=out.num_cached_tokens,
         finish_reason=finish,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 
@@ -499,6 +506,64 @@ def as_api_error(exc: Exception) -> APIError:
     return APIError(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
 
+@dataclass(frozen=True)
+class Reply:
+    """One choice's finished reply, read as chat reads it (content and tool calls)."""
+
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: list[TokenLogprob]
+
+
+@dataclass(frozen=True)
+class Replies:
+    replies: dict[int, Reply]  # by choice index
+    usage: Usage
+    prompt_logprobs: list[TokenLogprob | None] | None  # the prompt's, when asked (shared)
+
+
+async def collect_replies(serving: Serving, job: Job) -> Replies:
+    """Run ``job`` to the end and read each choice's reply."""
+    tally = Tally(job)
+    texts: dict[int, list[str]] = {c.index: [] for c in job.choices}
+    logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in job.choices}
+    finish: dict[int, str | None] = {}
+    prompt = None
+    async with aclosing(serving.events(job)) as events:
+        async for ev in events:
+            tally.add(ev)
+            texts[ev.index].append(ev.text)
+            logprobs[ev.index] += ev.logprobs or []
+            finish[ev.index] = ev.finish_reason
+            prompt = prompt or ev.prompt_logprobs
+    replies = {}
+    for i in sorted(texts):
+        message, reason = read_reply("".join(texts[i]), job.tool_calls, finish.get(i))
+        replies[i] = Reply(message, reason, logprobs[i])
+    return Replies(replies, tally.usage(), prompt)
+
+
+@dataclass(frozen=True)
+class ReplyDelta:
+    """What one event adds to its choice's reply: content and tool-call deltas, and the
+    finish reason as chat reports it (``tool_calls`` when the reply made calls)."""
+
+    event: ChoiceEvent
+    delta: ChatDelta
+    finish_reason: str | None
+
+
+async def reply_deltas(serving: Serving, job: Job, tally: Tally) -> AsyncIterator[ReplyDelta]:
+    """Run ``job``; each event as a delta of its choice's reply (counted in ``tally``)."""
+    replies = {c.index: ReplyStream(job.tool_calls) for c in job.choices}
+    async with aclosing(serving.events(job)) as events:
+        async for ev in events:
+            tally.add(ev)
+            reply = replies[ev.index]
+            delta = reply.feed(ev.text, final=ev.finish_reason is not None)
+            yield ReplyDelta(ev, delta, reply.finish_reason(ev.finish_reason))
+
+
 class ChatRenderer:
     """Chat completion bodies and chunks from ``ChoiceEvent``s."""
 
@@ -509,25 +574,23 @@ class ChatRenderer:
         self.logprobs = LogprobFormatter(serving.tokenizer, req.top_logprobs or 0)
 
     async def response(self) -> ChatCompletionResponse:
-        tally = Tally(self.job)
-        texts = {c.index: [] for c in self.job.choices}
-        logprobs = {c.index: [] for c in self.job.choices}
-        finish: dict[int, str | None] = {}
-        async with aclosing(self.serving.events(self.job)) as events:
-            async for ev in events:
-                tally.add(ev)
-                texts[ev.index].append(ev.text)
-                logprobs[ev.index] += ev.logprobs or []
-                finish[ev.index] = ev.finish_reason
-        choices = []
-        for i in sorted(texts):
-            message, reason = read_reply("".join(texts[i]), self.job.tool_calls, finish.get(i))
-            lp = self._logprobs(logprobs[i])
-            choices.append(ChatChoice(index=i, message=message, logprobs=lp, finish_reason=reason))
+        done = await collect_replies(self.serving, self.job)
+        choices = [
+            ChatChoice(index=i, message=r.message, logprobs=self._logprobs(r.logprobs),
+                       finish_reason=r.finish_reason)
+            for i, r in done.replies.items()
+        ]  # fmt: skip
         return ChatCompletionResponse(
             id=self.job.request_id, created=self.job.created, model=self.job.model,
-            choices=choices, usage=tally.usage(),
+            choices=choices, usage=done.usage,
+            prompt_logprobs=self._prompt_logprobs(done.prompt_logprobs),
         )  # fmt: skip
+
+    def _prompt_logprobs(self, entries: list[TokenLogprob | None] | None) -> Any:
+        if self.req.prompt_logprobs is None or entries is None:
+            return None
+        top = LogprobFormatter(self.serving.tokenizer, self.req.prompt_logprobs)
+        return top.vllm_prompt(entries)
 
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         if not self.req.logprobs:
@@ -536,20 +599,15 @@ class ChatRenderer:
 
     async def stream(self) -> AsyncIterator[str]:
         tally = Tally(self.job)
-        mode = self.job.tool_calls
-        replies = {c.index: ReplyStream(mode) for c in self.job.choices}
         try:
             for spec in self.job.choices:
-                delta = ChatDelta(role="assistant", content=None if mode else "")
+                delta = ChatDelta(role="assistant", content=None if self.job.tool_calls else "")
                 yield self._chunk([ChatChunkChoice(index=spec.index, delta=delta)])
-            async with aclosing(self.serving.events(self.job)) as events:
-                async for ev in events:
-                    tally.add(ev)
-                    reply = replies[ev.index]
-                    delta = reply.feed(ev.text, final=ev.finish_reason is not None)
+            async with aclosing(reply_deltas(self.serving, self.job, tally)) as deltas:
+                async for d in deltas:
+                    ev, delta = d.event, d.delta
                     if delta.content or delta.tool_calls or ev.finish_reason or ev.logprobs:
-                        finish = reply.finish_reason(ev.finish_reason)
-                        yield self._chunk([self._chunk_choice(ev, delta, finish)])
+                        yield self._chunk([self._chunk_choice(ev, delta, d.finish_reason)])
             if self.req.include_usage:
                 yield self._chunk([], tally.usage())
         except Exception as exc:
@@ -579,81 +637,67 @@ class ChatRenderer:
 
 
 class CompletionRenderer:
-    """Completion bodies and chunks from ``ChoiceEvent``s (``echo``, legacy logprobs)."""
+    """Completion bodies and chunks from ``ChoiceEvent``s (``echo``, legacy logprobs, vLLM's
+    ``prompt_logprobs``). A choice's echoed prompt goes out with its first event, which
+    brings the prompt's logprobs when they were asked for."""
 
     def __init__(self, serving: Serving, job: Job, req: CompletionRequest) -> None:
         self.serving = serving
         self.job = job
         self.req = req
         self.logprobs = LogprobFormatter(serving.tokenizer, req.logprobs or 0)
+        self.prompt_logprobs = LogprobFormatter(serving.tokenizer, req.prompt_logprobs or 0)
+        self._specs = {c.index: c for c in job.choices}
 
-    def _echo(self, spec: ChoiceSpec) -> str:
-        return self.job.prompts[spec.prompt_index].echo_text or ""
+    def _echo(self, index: int) -> str:
+        return self.job.prompts[self._specs[index].prompt_index].echo_text or ""
 
-    def _prompt_logprobs(self, spec: ChoiceSpec) -> CompletionLogprobs | None:
-        if self.req.logprobs is None:
-            return None
-        if not self.req.echo:
-            return CompletionLogprobs()
-        return self.logprobs.prompt(self.job.prompts[spec.prompt_index].token_ids)
+    def _choice(self, ev: ChoiceEvent, first: bool) -> CompletionChoice:
+        """``ev`` as a choice: its text, and on the choice's first event the echo before it."""
+        echo = self._echo(ev.index) if first else ""
+        logprobs = None
+        if self.req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if first and self.req.echo:
+                prompt = self.job.prompts[self._specs[ev.index].prompt_index].token_ids
+                logprobs = self.logprobs.prompt(prompt, ev.prompt_logprobs)
+            if ev.logprobs is not None:
+                self.logprobs.extend(logprobs, ev.token_ids, ev.logprobs, ev.offsets, len(echo))
+        vllm = None
+        if first and self.req.prompt_logprobs is not None and ev.prompt_logprobs is not None:
+            vllm = self.prompt_logprobs.vllm_prompt(ev.prompt_logprobs)
+        return CompletionChoice(index=ev.index, text=echo + ev.text, logprobs=logprobs,
+                                finish_reason=ev.finish_reason, prompt_logprobs=vllm)  # fmt: skip
 
     async def response(self) -> CompletionResponse:
         tally = Tally(self.job)
-        specs = {c.index: c for c in self.job.choices}
-        texts = {i: [self._echo(s)] for i, s in specs.items()}
-        logprobs = {i: self._prompt_logprobs(s) for i, s in specs.items()}
-        finish: dict[int, str | None] = {}
+        choices: dict[int, CompletionChoice] = {}
         async with aclosing(self.serving.events(self.job)) as events:
             async for ev in events:
                 tally.add(ev)
-                texts[ev.index].append(ev.text)
-                self._extend(logprobs[ev.index], ev, len(self._echo(specs[ev.index])))
-                finish[ev.index] = ev.finish_reason
-        choices = [
-            CompletionChoice(
-                index=i, text="".join(texts[i]), logprobs=logprobs[i], finish_reason=finish.get(i)
-            )
-            for i in sorted(specs)
-        ]
+                part = self._choice(ev, ev.index not in choices)
+                choices[ev.index] = _joined(choices.get(ev.index), part)
         return CompletionResponse(
             id=self.job.request_id, created=self.job.created, model=self.job.model,
-            choices=choices, usage=tally.usage(),
+            choices=[choices[i] for i in sorted(choices)], usage=tally.usage(),
         )  # fmt: skip
-
-    def _extend(self, target: CompletionLogprobs | None, ev: ChoiceEvent, base: int) -> None:
-        if target is not None and ev.logprobs is not None:
-            self.logprobs.extend(target, ev.token_ids, ev.logprobs, ev.offsets, base)
 
     async def stream(self) -> AsyncIterator[str]:
         tally = Tally(self.job)
-        specs = {c.index: c for c in self.job.choices}
+        started: set[int] = set()
         try:
-            if self.req.echo:
-                for i, spec in specs.items():
-                    first = CompletionChoice(
-                        index=i, text=self._echo(spec), logprobs=self._prompt_logprobs(spec),
-                        finish_reason=None,
-                    )  # fmt: skip
-                    yield self._chunk([first])
             async with aclosing(self.serving.events(self.job)) as events:
                 async for ev in events:
                     tally.add(ev)
-                    if ev.text or ev.finish_reason or ev.logprobs:
-                        yield self._chunk([self._chunk_choice(ev, specs[ev.index])])
+                    first = ev.index not in started
+                    started.add(ev.index)
+                    if (first and self.req.echo) or ev.text or ev.finish_reason or ev.logprobs:
+                        yield self._chunk([self._choice(ev, first)])
             if self.req.include_usage:
                 yield self._chunk([], tally.usage())
         except Exception as exc:
             yield error_event(as_api_error(exc))
         yield SSE_DONE
-
-    def _chunk_choice(self, ev: ChoiceEvent, spec: ChoiceSpec) -> CompletionChoice:
-        logprobs = None
-        if self.req.logprobs is not None:
-            logprobs = CompletionLogprobs()
-            self._extend(logprobs, ev, len(self._echo(spec)))
-        return CompletionChoice(
-            index=ev.index, text=ev.text, logprobs=logprobs, finish_reason=ev.finish_reason
-        )
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         chunk = CompletionResponse(
@@ -664,62 +708,13 @@ class CompletionRenderer:
         return sse(chunk.model_dump_json(exclude=exclude))
 
 
-# ---- logprobs ------------------------------------------------------------------------------
-
-
-class LogprobFormatter:
-    """Engine ``TokenLogprob``s in OpenAI's chat and legacy completions shapes."""
-
-    def __init__(self, tokenizer: Any, top: int) -> None:
-        self.tokenizer = tokenizer
-        self.top = top
-
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.token_text(token_id)
-
-    def _bytes(self, token_id: int) -> list[int]:
-        return list(self.tokenizer.token_bytes(token_id))
-
-    def chat(self, entry: TokenLogprob) -> ChatTokenLogprob:
-        alternatives = [
-            TopLogprob(token=self._text(t), logprob=lp, bytes=self._bytes(t))
-            for t, lp in zip(entry.top_ids[: self.top], entry.top_logprobs[: self.top], strict=True)
-        ]
-        return ChatTokenLogprob(
-            token=self._text(entry.token_id),
-            logprob=entry.logprob,
-            bytes=self._bytes(entry.token_id),
-            top_logprobs=alternatives,
-        )
-
-    def extend(
-        self,
-        target: CompletionLogprobs,
-        token_ids: list[int],
-        entries: list[TokenLogprob],
-        offsets: list[int],
-        base: int,
-    ) -> None:
-        """Append generated tokens; ``base`` is where the generated text starts."""
-        for token_id, entry, offset in zip(token_ids, entries, offsets, strict=True):
-            top = {self._text(t): lp for t, lp in zip(entry.top_ids, entry.top_logprobs)}
-            top = dict(list(top.items())[: self.top])
-            top.setdefault(self._text(token_id), entry.logprob)
-            target.tokens.append(self._text(token_id))
-            target.token_logprobs.append(entry.logprob)
-            target.top_logprobs.append(top)
-            target.text_offset.append(base + offset)
-
-    def prompt(self, token_ids: list[int]) -> CompletionLogprobs:
-        """Echoed prompt tokens: their text and offsets; the engine computes no prompt
-        logprobs, so those are null."""
-        decoder = self.tokenizer.decode_stream(skip_special_tokens=True)
-        result = CompletionLogprobs()
-        offset = 0
-        for token_id in token_ids:
-            result.tokens.append(self._text(token_id))
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
-            result.text_offset.append(offset)
-            offset += len(decoder.step(token_id))
-        return result
+def _joined(done: CompletionChoice | None, part: CompletionChoice) -> CompletionChoice:
+    """A choice so far with its next part appended (text, logprobs, finish reason)."""
+    if done is None:
+        return part
+    if done.logprobs is not None and part.logprobs is not None:
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(done.logprobs, name).extend(getattr(part.logprobs, name))
+    done.text += part.text
+    done.finish_reason = part.finish_reason
+    return done

@@ -11,8 +11,11 @@ Forced tool calls are generated as JSON and come back as OpenAI ``tool_calls``:
 - ``required``: the text is ``[{"name": ..., "arguments": {...}}, ...]`` (one element
   when ``parallel_tool_calls`` is false), each name one of the tools'.
 
-``ToolCallStream`` follows that text as it grows and yields OpenAI's tool-call deltas
-(the first per call with ``id``, ``type`` and the name, then argument text).
+A tool's parameters may use root-relative ``$ref``s (``#/$defs/...``, as pydantic writes
+nested models); in the ``required`` wrapper they are rebased onto where the parameters
+sit. ``complete_calls`` reads the calls whose JSON is complete; a call cut short by
+``max_tokens`` is dropped (finish reason ``length``), streamed or not: ``ToolCallStream``
+sends each call whole (id, type, name and arguments in one delta) once it is complete.
 ``tool_choice="auto"`` (or no tool_choice) and ``"none"`` constrain nothing: the tools go
 to the chat template. With ``auto``, when the template has a tool-call markup
 (``server.tool_markup``) the reply is read for calls in it; otherwise it is plain text.
@@ -23,8 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import GrammarSpec
@@ -36,7 +38,6 @@ from server.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     FunctionCall,
-    FunctionCallDelta,
     NamedToolChoice,
     SamplingFields,
     ToolCall,
@@ -44,6 +45,7 @@ from server.protocol import (
 )
 
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
 
 
 @dataclass(frozen=True)
@@ -136,11 +138,28 @@ def _from_tool_choice(req: SamplingFields) -> Constraint:
     calls: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
-        "items": {"anyOf": [_call_schema(name, schema) for name, schema in params.items()]},
-    }
+        "items": {"anyOf": [_call_schema(name, _rebase(schema, f"#/items/anyOf/{i}/properties/"
+                                                         "arguments"))
+                            for i, (name, schema) in enumerate(params.items())]},
+    }  # fmt: skip
     if req.parallel_tool_calls is False:
         calls["maxItems"] = 1
     return Constraint(json_spec(calls), ToolCallMode(), "tool_choice")
+
+
+def _rebase(schema: Any, base: str) -> Any:
+    """``schema`` moved to JSON pointer ``base`` of a larger schema: its root-relative
+    references (``#``, ``#/$defs/...``, what pydantic writes for nested models) now
+    point into it there."""
+    if isinstance(schema, list):
+        return [_rebase(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYWORDS else _rebase(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
 
 
 def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -201,62 +220,46 @@ def _scan_calls(text: str) -> list[_Call]:
     return calls
 
 
-def _new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+_NAMED = '[{"name": "", "arguments": '  # a named call's arguments, read as a list's one call
+
+
+def complete_calls(text: str, mode: ToolCallMode) -> list[FunctionCall]:
+    """The calls whose JSON is complete in a forced generation, finished or cut short; a
+    call cut short is not among them (as OpenAI, who returns no partial call)."""
+    if mode.function is not None:
+        (call,) = _scan_calls(_NAMED + text)
+        if call.arguments_end is None:
+            return []
+        end = call.arguments_end - len(_NAMED)
+        return [FunctionCall(name=mode.function, arguments=text[:end])]
+    return [
+        FunctionCall(name=c.name or "", arguments=text[c.arguments_start : c.arguments_end])
+        for c in _scan_calls(text)
+        if c.arguments_end is not None
+    ]
 
 
 def tool_calls(text: str, mode: ToolCallMode) -> list[ToolCall]:
-    """The calls in a finished generation (the grammar guarantees their shape)."""
-    if mode.function is not None:
-        return [ToolCall(id=_new_call_id(), function=FunctionCall(name=mode.function,
-                                                                   arguments=text))]  # fmt: skip
-    return [
-        ToolCall(id=_new_call_id(), function=FunctionCall(name=call.name or "", arguments=args))
-        for call, args in _arguments(text, _scan_calls(text))
-    ]
-
-
-def _arguments(text: str, calls: list[_Call]) -> list[tuple[_Call, str]]:
-    return [
-        (c, text[c.arguments_start : c.arguments_end or len(text)])
-        for c in calls
-        if c.arguments_start is not None
-    ]
+    """The complete calls of a generation, with fresh ids."""
+    return [tool_markup.new_call(call) for call in complete_calls(text, mode)]
 
 
 @dataclass
 class ToolCallStream:
-    """Tool-call deltas from the generated text, as it grows."""
+    """Tool-call deltas from the generated text, as it grows: each call whole (id, type,
+    name and arguments in one delta) once its JSON is complete, so a stream cut short
+    sends no partial call, exactly as the non-streamed reply has none."""
 
     mode: ToolCallMode
     text: str = ""
-    _ids: list[str] = field(default_factory=list)
-    _sent: list[int] = field(default_factory=list)  # argument characters sent, per call
+    _sent: int = 0  # calls sent
 
     def feed(self, delta: str) -> list[ToolCallDelta]:
         self.text += delta
-        out = []
-        for index, (name, arguments) in enumerate(self._calls()):
-            if index == len(self._ids):
-                if name is None:
-                    break
-                self._ids.append(_new_call_id())
-                self._sent.append(0)
-                head = FunctionCallDelta(name=name, arguments="")
-                out.append(ToolCallDelta(index=index, id=self._ids[index], type="function",
-                                         function=head))  # fmt: skip
-            new = arguments[self._sent[index] :]
-            if new:
-                self._sent[index] = len(arguments)
-                out.append(ToolCallDelta(index=index, function=FunctionCallDelta(arguments=new)))
-        return out
-
-    def _calls(self) -> list[tuple[str | None, str]]:
-        if self.mode.function is not None:
-            return [(self.mode.function, self.text)]
-        calls = _scan_calls(self.text)
-        args = {id(c): a for c, a in _arguments(self.text, calls)}
-        return [(c.name, args.get(id(c), "")) for c in calls]
+        calls = complete_calls(self.text, self.mode)
+        new = [tool_markup.whole_call_delta(i, c) for i, c in enumerate(calls) if i >= self._sent]
+        self._sent = len(calls)
+        return new
 
 
 def read_reply(
@@ -268,10 +271,8 @@ def read_reply(
         return AssistantMessage(content=text), finish
     if mode.markup:
         content, calls = tool_markup.parse(text)
-    elif finish == "stop":
+    else:  # forced: the complete calls; one cut short is dropped
         content, calls = None, tool_calls(text, mode)
-    else:  # cut short: the JSON is incomplete
-        content, calls = text, []
     reason = "tool_calls" if calls and finish == "stop" else finish
     return AssistantMessage(content=content, tool_calls=calls or None), reason
 

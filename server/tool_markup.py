@@ -37,8 +37,15 @@ def _call(body: str) -> FunctionCall | None:
     return FunctionCall(name=value["name"], arguments=text)
 
 
-def _new_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def new_call(call: FunctionCall) -> ToolCall:
+    """``call`` as a tool call with a fresh id."""
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=call)
+
+
+def whole_call_delta(index: int, call: FunctionCall) -> ToolCallDelta:
+    """One streamed delta that carries a whole call: id, type, name and arguments."""
+    head = FunctionCallDelta(name=call.name, arguments=call.arguments)
+    return ToolCallDelta(index=index, id=new_call(call).id, type="function", function=head)
 
 
 def parse(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -49,7 +56,7 @@ def parse(text: str) -> tuple[str | None, list[ToolCall]]:
         call = _call(match.group(1))
         if call is None:
             return match.group(0)
-        calls.append(ToolCall(id=_new_id(), function=call))
+        calls.append(new_call(call))
         return ""
 
     content = _BLOCK.sub(take, text)
@@ -95,9 +102,7 @@ class MarkupStream:
             if call is None:
                 content.append(block)
                 continue
-            head = FunctionCallDelta(name=call.name, arguments=call.arguments)
-            calls.append(ToolCallDelta(index=self.num_calls, id=_new_id(), type="function",
-                                       function=head))  # fmt: skip
+            calls.append(whole_call_delta(self.num_calls, call))
             self.num_calls += 1
         return "".join(content), calls
 

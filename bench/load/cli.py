@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.load.workloads import SYNTHETIC, WorkloadSpec
+from bench.load.workloads import ENDPOINTS, SYNTHETIC, WorkloadSpec
 
-DESCRIPTION = "Load-test an OpenAI-compatible server (chat completions, streaming)."
+DESCRIPTION = (
+    "Load-test an OpenAI-compatible server (streaming chat completions or Responses API)."
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -41,6 +43,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="server base URL (with or without /v1)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    p.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="chat",
+        help="send to /v1/chat/completions (default) or, the same conversations, /v1/responses",
+    )
     p.add_argument(
         "--workload",
         default="random",
@@ -144,7 +152,8 @@ def _load_config(args: argparse.Namespace, base: str, model: str):
     from bench.load.runner import LoadConfig
 
     return LoadConfig(
-        chat_url=f"{base}/chat/completions", model=model, api_key=args.api_key,
+        chat_url=f"{base}/chat/completions", model=model, endpoint=args.endpoint,
+        api_key=args.api_key,
         concurrency=int(args.concurrency[0]) if args.concurrency else None,
         rate=args.rate[0] if args.rate else None, seed=args.seed, timeout_s=args.timeout,
         streams_per_client=args.streams_per_client, ignore_eos=args.ignore_eos,

@@ -1,18 +1,21 @@
-"""One streaming chat request and its timings.
+"""One streaming request (chat completions or the Responses API) and its timings.
 
 Timing rules (all from ``time.perf_counter``, taken when a line is read off the socket,
 before its JSON is parsed):
 
 - a *token event* is an SSE chunk whose ``delta.content`` (or ``delta.reasoning_content``)
-  is non-empty; role-only and usage-only chunks are not token events;
+  is non-empty; role-only and usage-only chunks are not token events. On the Responses
+  API: a ``response.output_text.delta`` event with a non-empty ``delta``;
 - TTFT = first token event - request start; ITL = the gaps between successive token
   events (one gap per chunk: a server that packs k tokens into a chunk shows one gap);
 - E2E = end of stream (``[DONE]`` or the stream closing) - request start;
-- output tokens come from the final ``usage`` chunk (``stream_options.include_usage``);
-  without one, the number of token events.
+- output tokens come from the final ``usage`` chunk (``stream_options.include_usage``;
+  on the Responses API the ``response.completed``/``response.incomplete`` event's
+  ``response.usage``); without one, the number of token events.
 
 Errors by kind: ``http_<status>``, ``timeout``, ``connection`` (connect, read or write
-failures), ``stream`` (an ``error`` event, bad JSON, or no ``[DONE]``).
+failures), ``stream`` (an ``error`` event, ``response.failed``, bad JSON, or no ``[DONE]``
+/ final response event).
 """
 
 from __future__ import annotations
@@ -105,7 +108,10 @@ class _Stream:
         if data == b"[DONE]":
             self.done = True
             return
-        chunk = json.loads(data)
+        self.take(json.loads(data), now)
+
+    def take(self, chunk: dict[str, Any], now: float) -> None:
+        """One chat completion chunk."""
         if chunk.get("error"):
             raise _StreamError(str(chunk["error"])[:200])
         if chunk.get("usage"):
@@ -130,17 +136,42 @@ class _Stream:
         result.cached_tokens = details.get("cached_tokens") or 0
 
 
+class _ResponsesStream(_Stream):
+    """The same for the Responses API's typed events; the final response event ends it."""
+
+    def take(self, event: dict[str, Any], now: float) -> None:
+        kind = event.get("type")
+        if kind == "error" or kind == "response.failed":
+            raise _StreamError(str(event.get("message") or event.get("response"))[:200])
+        if kind == "response.output_text.delta" and event.get("delta"):
+            self.times.append(now)
+            self.parts.append(event["delta"])
+        elif kind in ("response.completed", "response.incomplete"):
+            usage = event["response"].get("usage") or {}
+            self.usage = {
+                "prompt_tokens": usage.get("input_tokens"),
+                "completion_tokens": usage.get("output_tokens", len(self.times)),
+                "prompt_tokens_details": usage.get("input_tokens_details") or {},
+            }
+            self.done = True
+
+
 async def stream_chat(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], run_t0: float
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    run_t0: float,
+    responses: bool = False,
 ) -> RequestResult:
-    """POST ``body`` (with ``stream: true``) to ``url`` and time the SSE answer.
+    """POST ``body`` (with ``stream: true``) to ``url`` and time the SSE answer: chat
+    completion chunks, or with ``responses`` the Responses API's events.
 
     Never raises for a failed request: the failure is recorded in ``result.error``.
     ``run_t0`` is the run's start on the ``perf_counter`` clock.
     """
     t0 = time.perf_counter()
     result = RequestResult(start_s=t0 - run_t0)
-    stream = _Stream(t0)
+    stream = _ResponsesStream(t0) if responses else _Stream(t0)
     try:
         async with client.stream("POST", url, json=body) as resp:
             if resp.status_code != 200:

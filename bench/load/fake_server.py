@@ -2,7 +2,9 @@
 
 It answers ``POST /v1/chat/completions`` (streaming) with ``max_tokens`` chunks of one
 word each, ``ttft_ms`` before the first and ``itl_ms`` between the others, then a usage
-chunk and ``[DONE]``; ``GET /v1/models`` and ``GET /health`` too. It costs almost nothing
+chunk and ``[DONE]``; ``POST /v1/responses`` alike with the Responses API's events
+(``response.output_text.delta`` per word, then ``response.completed`` with the usage);
+``GET /v1/models`` and ``GET /health`` too. It costs almost nothing
 per chunk, so a load generator run against it measures the generator's own overhead.
 
 The last user message steers failures: ``FAIL500`` answers HTTP 500, ``DROP`` closes the
@@ -52,17 +54,51 @@ def _event(obj: dict) -> bytes:
     return _chunk(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
 
+class _ChatShape:
+    """The chunks of a streamed chat completion."""
+
+    base = {"id": "c1", "object": "chat.completion.chunk", "model": "fake-model"}
+
+    def start(self) -> bytes:
+        return _event({**self.base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+
+    def token(self, text: str) -> bytes:
+        return _event({**self.base, "choices": [{"index": 0, "delta": {"content": text}}]})
+
+    def end(self, prompt: int, n: int) -> bytes:
+        usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n,
+                 "prompt_tokens_details": {"cached_tokens": prompt // 2}}  # fmt: skip
+        return _event({**self.base, "choices": [], "usage": usage}) + _chunk(b"data: [DONE]\n\n")
+
+
+class _ResponsesShape:
+    """The typed events of a streamed Responses API response (the ones a client times)."""
+
+    def start(self) -> bytes:
+        return _event({"type": "response.created", "response": {"id": "r1", "output": []}})
+
+    def token(self, text: str) -> bytes:
+        return _event({"type": "response.output_text.delta", "item_id": "m1", "output_index": 0,
+                       "content_index": 0, "delta": text})  # fmt: skip
+
+    def end(self, prompt: int, n: int) -> bytes:
+        usage = {"input_tokens": prompt, "output_tokens": n, "total_tokens": prompt + n,
+                 "input_tokens_details": {"cached_tokens": prompt // 2}}  # fmt: skip
+        return _event({"type": "response.completed", "response": {"id": "r1", "usage": usage}})
+
+
 async def _stream(writer: asyncio.StreamWriter, req: dict, timing: FakeTiming) -> None:
-    n = int(req.get("max_tokens") or 16)
-    last = str(req["messages"][-1].get("content", ""))
+    shape = _ChatShape() if "messages" in req else _ResponsesShape()
+    n = int(req.get("max_tokens") or req.get("max_output_tokens") or 16)
+    messages = req.get("messages") or req["input"]
+    last = str(messages[-1].get("content", ""))
     if "FAIL500" in last:
         writer.write(_response("500 Internal Server Error", b'{"error":{"message":"boom"}}'))
         return
     writer.write(
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     )
-    base = {"id": "c1", "object": "chat.completion.chunk", "model": "fake-model"}
-    writer.write(_event({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
+    writer.write(shape.start())
     await asyncio.sleep(timing.ttft_ms / 1e3)
     for i in range(n):
         if i:
@@ -70,23 +106,19 @@ async def _stream(writer: asyncio.StreamWriter, req: dict, timing: FakeTiming) -
         if "DROP" in last and i == 2:
             writer.close()
             return
-        delta = {"content": f" w{i}"}
-        writer.write(_event({**base, "choices": [{"index": 0, "delta": delta}]}))
+        writer.write(shape.token(f" w{i}"))
         if "BADJSON" in last and i == 1:
             writer.write(_chunk(b"data: {not json\n\n"))
         await writer.drain()
-    prompt = sum(len(str(m.get("content", "")).split()) for m in req["messages"])
-    usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
-    usage["prompt_tokens_details"] = {"cached_tokens": prompt // 2}
-    writer.write(_event({**base, "choices": [], "usage": usage}))
-    writer.write(_chunk(b"data: [DONE]\n\n") + _chunk(b""))
+    prompt = sum(len(str(m.get("content", "")).split()) for m in messages)
+    writer.write(shape.end(prompt, n) + _chunk(b""))
 
 
 async def _handle(reader, writer, timing: FakeTiming) -> None:
     try:
         while True:
             method, path, body = await _read_request(reader)
-            if method == "POST" and path.endswith("/chat/completions"):
+            if method == "POST" and path.endswith(("/chat/completions", "/responses")):
                 await _stream(writer, json.loads(body), timing)
             elif path.endswith("/models"):
                 writer.write(_response("200 OK", _MODELS))

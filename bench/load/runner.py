@@ -25,17 +25,22 @@ import httpx
 from tqdm import tqdm
 
 from bench.load.client import RequestResult, stream_chat
-from bench.load.workloads import Session, count_requests
+from bench.load.workloads import ENDPOINTS, Session, count_requests
 
 OPEN_LOOP_CLIENTS = 8
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """Where and how hard to send. Exactly one of ``concurrency`` and ``rate`` is set."""
+    """Where and how hard to send. Exactly one of ``concurrency`` and ``rate`` is set.
+
+    ``endpoint``: ``chat`` posts to ``chat_url``; ``responses`` posts the same
+    conversations to the server's ``/v1/responses`` (beside ``chat_url``'s
+    ``/chat/completions``) as message input."""
 
     chat_url: str
     model: str
+    endpoint: str = "chat"
     api_key: str | None = None
     concurrency: int | None = None
     rate: float | None = None
@@ -53,6 +58,14 @@ class LoadConfig:
             raise ValueError("concurrency must be >= 1")
         if self.rate is not None and self.rate <= 0:
             raise ValueError("rate must be > 0")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {', '.join(ENDPOINTS)}")
+
+    @property
+    def url(self) -> str:
+        if self.endpoint == "chat":
+            return self.chat_url
+        return self.chat_url.removesuffix("/chat/completions") + "/responses"
 
 
 @dataclass(frozen=True)
@@ -62,15 +75,15 @@ class RunResult:
 
 
 def request_body(cfg: LoadConfig, messages: list, turn_max: int | None, extra) -> dict:
-    """The chat request body: streaming with usage, output length pinned unless overridden."""
-    body: dict[str, Any] = {
-        "model": cfg.model,
-        "messages": messages,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    """The request body: streaming with usage, output length pinned unless overridden (a
+    Responses API body carries the messages as ``input`` and ``max_output_tokens``)."""
+    body: dict[str, Any] = {"model": cfg.model, "stream": True}
+    if cfg.endpoint == "chat":
+        body.update(messages=messages, stream_options={"include_usage": True})
+    else:
+        body["input"] = messages
     if turn_max is not None:
-        body["max_tokens"] = turn_max
+        body["max_tokens" if cfg.endpoint == "chat" else "max_output_tokens"] = turn_max
         body["ignore_eos"] = cfg.ignore_eos
     body.update(cfg.extra_body)
     body.update(extra)
@@ -133,7 +146,7 @@ async def _run_session(
             await asyncio.sleep(turn.think_time_s)
         history.extend(turn.messages)
         body = request_body(cfg, list(history), turn.max_tokens, turn.extra)
-        result = await stream_chat(client, cfg.chat_url, body, t0)
+        result = await stream_chat(client, cfg.url, body, t0, cfg.endpoint == "responses")
         sink(result)
         if len(session.turns) > 1:
             history.append({"role": "assistant", "content": result.text or "(no answer)"})

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 SYNTHETIC = ("random", "shared-prefix", "multiturn")
+ENDPOINTS = ("chat", "responses")  # where the conversations go (LoadConfig.endpoint)
 
 _WORD_TEXT = """the of and to in is it you that he was for on are with as his they be at one have
     this from or had by hot word but what some we can out other were all there when up use

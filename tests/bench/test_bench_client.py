@@ -86,3 +86,22 @@ async def test_open_loop_follows_seeded_poisson_arrivals(fake_url):
     starts = sorted(r.start_s for r in run.results)
     assert all(r.ok for r in run.results)
     assert starts[-1] >= arrival_offsets(10, 200.0, 0)[-1] - 0.005
+
+
+@pytest.mark.parametrize("fake_timing", [FakeTiming(ttft_ms=40, itl_ms=20)])
+async def test_responses_endpoint_is_timed_from_its_text_deltas(fake_url):
+    spec = WorkloadSpec("multiturn", num_requests=2, input_len=6, output_len=4, turns=2,
+                        think_time_s=0.0)  # fmt: skip
+    cfg = LoadConfig(chat_url=f"{fake_url}/chat/completions", model="m", concurrency=1,
+                     endpoint="responses", progress=False)  # fmt: skip
+    assert cfg.url == f"{fake_url}/responses"
+    run = await run_load_async(build_sessions(spec), cfg)
+    assert all(r.ok for r in run.results), [r.error_detail for r in run.results]
+    first = run.results[0]
+    assert first.ttft_s >= 0.040 and len(first.itl_s) == 3 and min(first.itl_s) >= 0.020
+    assert (first.output_tokens, first.prompt_tokens, first.cached_tokens) == (4, 6, 3)
+    assert first.text == " w0 w1 w2 w3"
+    assert run.results[1].prompt_tokens == 6 + 4 + 6  # the answer went back as input
+    with pytest.raises(ValueError, match="endpoint"):
+        LoadConfig(chat_url="http://x/v1/chat/completions", model="m", concurrency=1,
+                   endpoint="embeddings")  # fmt: skip

@@ -30,6 +30,17 @@ def test_bench_against_ferry_serve(ferry_url, tmp_path):
     assert record["model"] and record["commit"] and record["machine"]["cores"]
 
 
+def test_bench_responses_endpoint_against_ferry_serve(ferry_url, tmp_path):
+    out = tmp_path / "responses.json"
+    args = [*_common(ferry_url), "--endpoint", "responses", "--concurrency", "2",
+            "--out", str(out)]  # fmt: skip
+    assert cli.main(args) == 0
+    s = json.loads(out.read_text())["summary"]
+    assert (s["completed"], s["failed"]) == (4, 0), s["errors"]
+    assert s["total_output_tokens"] == 4 * 8  # ignore_eos reaches ferry's Responses API too
+    assert s["ttft_ms"]["p50"] > 0 and s["itl_ms"]["p50"] > 0
+
+
 def test_sweep_against_ferry_serve(ferry_url, tmp_path):
     out = tmp_path / "sweep.json"
     args = ["sweep", *_common(ferry_url), "--workload", "shared-prefix", "--num-prefixes", "1",

@@ -58,6 +58,12 @@ def test_jsonl_trace_cycles_and_keeps_its_fields(tmp_path):
     assert body["temperature"] == 0.3 and body["model"] == "m" and body["stream"] is True
     assert body["max_tokens"] == 5 and body["ignore_eos"] is True
     assert body["stream_options"] == {"include_usage": True}
+    responses = LoadConfig(chat_url="http://x/v1/chat/completions", model="m", concurrency=1,
+                           endpoint="responses")  # fmt: skip
+    body = request_body(responses, list(turns[0].messages), 5, {})
+    assert body["input"] == list(turns[0].messages) and "messages" not in body
+    assert body["max_output_tokens"] == 5 and body["ignore_eos"] is True
+    assert "stream_options" not in body and body["stream"] is True
 
 
 def test_jsonl_rejects_lines_without_messages(tmp_path):

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,6 +44,16 @@ class Server:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
+
+    def openai(self) -> Any:
+        """The official client for this server (no retries: a failure shows at once)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.v1, api_key=self.api_key, timeout=120, max_retries=0)
+
+    def http(self) -> httpx.Client:
+        """An HTTP client on ``/v1`` with the API key; close it (``with``) when done."""
+        return httpx.Client(base_url=self.v1, headers=self.headers, timeout=120)
 
     def engine_pids(self) -> list[int]:
         """The engine processes ``ferry serve`` started (its children)."""
@@ -139,6 +150,26 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     other core, and OpenMP threads that spin on a busy 2-core machine cost 4x."""
     with run_server(tmp_path_factory.mktemp("ferry-serve") / "serve.log", "--threads", "1") as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def api_server(server: Server) -> Server:
+    """The server ``client`` and ``http`` talk to; a module that starts its own overrides
+    this fixture."""
+    return server
+
+
+@pytest.fixture(scope="module")
+def client(api_server: Server) -> Any:
+    """The official ``openai`` client on ``api_server``."""
+    return api_server.openai()
+
+
+@pytest.fixture(scope="module")
+def http(api_server: Server) -> Iterator[httpx.Client]:
+    """An HTTP client on ``api_server``'s ``/v1``, with the API key."""
+    with api_server.http() as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -95,7 +95,7 @@ def test_kv_tier_flags(monkeypatch, tmp_path):
 def test_body_and_generation_bounds():
     config = serve.server_config(parse())
     assert (config.max_body_mb, config.max_tokens) == (32.0, None)
-    config = serve.server_config(parse("--max-body-mb", "2", "--max-tokens", "4"))
+    config = serve.server_config(parse("--max-body-mb", "2", "--max-tokens-limit", "4"))
     assert (config.max_body_mb, config.max_tokens) == (2.0, 4)
 
 
@@ -103,7 +103,7 @@ def test_body_and_generation_bounds():
     ["--kv-tiers", "gpu"], ["--kv-tiers", ""], ["--host-kv-cache-gb", "-1"],
     ["--kv-file-ttl-hours", "0"], ["--kv-file-capacity-gb", "nan"],
     ["--kv-file-mode", "400"], ["--kv-file-mode", "1600"], ["--kv-file-mode", "rw"],
-    ["--max-tokens", "0"], ["--max-body-mb", "0"],
+    ["--max-tokens-limit", "0"], ["--max-body-mb", "0"],
 ])  # fmt: skip
 def test_bad_kv_tier_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
@@ -117,6 +117,18 @@ def test_api_key_from_flag_or_environment(monkeypatch):
     assert serve.server_config(parse("--api-key", "flag")).api_key == "flag"
     monkeypatch.delenv("FERRY_API_KEY")
     assert serve.server_config(parse()).api_key is None
+
+
+def test_api_flags_reach_the_server_config(capsys):
+    default = serve.server_config(parse())
+    assert (default.max_tokens_default, default.response_store_size) == (2048, 1000)
+    given = serve.server_config(parse("--max-tokens-default", "0", "--response-store-size",
+                                      "5", "--response-store-ttl", "60"))  # fmt: skip
+    assert (given.max_tokens_default, given.response_store_size) == (0, 5)
+    assert given.response_store_ttl_s == 60.0
+    with pytest.raises(SystemExit):
+        parse("--max-tokens-default", "-1")
+    assert "--max-tokens-default" in capsys.readouterr().err
 
 
 MINIMAL_ARGS = {

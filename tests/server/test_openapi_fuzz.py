@@ -2,7 +2,7 @@
 schema patched in by the test): every public operation gets generated bodies, paths and
 queries, valid ones and invalid ones, and no answer is a 5xx.
 
-The server is ``--aggregated`` with the default model and ``--max-tokens 4``, so every
+The server is ``--aggregated`` with the default model and ``--max-tokens-limit 4``, so every
 generation is short; examples are bounded per operation and mode, and derandomized (the
 same requests on every run)."""
 
@@ -27,7 +27,7 @@ OPERATIONS = [
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory):
     log = tmp_path_factory.mktemp("ferry-fuzz") / "serve.log"
-    with run_server(log, "--aggregated", "--threads", "1", "--max-tokens", "4") as server:
+    with run_server(log, "--aggregated", "--threads", "1", "--max-tokens-limit", "4") as server:
         yield server
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from pydantic import ValidationError
@@ -90,3 +91,29 @@ def test_finishing_chunk_has_an_empty_delta_and_null_fields():
         "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"
     }  # fmt: skip
     assert "usage" not in body
+
+
+def test_each_unknown_field_is_logged_once_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger="ferry.server")
+    for _ in range(3):
+        ChatCompletionRequest.model_validate({"messages": MESSAGES, "zz_unknown_a": 1,
+                                              "zz_unknown_b": 2, "max_tokens": 3})  # fmt: skip
+    CompletionRequest.model_validate({"prompt": "x", "zz_unknown_a": 1})
+    lines = [r.getMessage() for r in caplog.records if "zz_unknown" in r.getMessage()]
+    assert lines == [
+        "ChatCompletionRequest: ignoring unknown field 'zz_unknown_a'",
+        "ChatCompletionRequest: ignoring unknown field 'zz_unknown_b'",
+        "CompletionRequest: ignoring unknown field 'zz_unknown_a'",
+    ]
+    assert all(r.levelno == logging.DEBUG for r in caplog.records if "zz_unknown" in r.getMessage())
+
+
+def test_stream_options_need_stream_and_messages_need_content():
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(messages=MESSAGES, stream_options={"include_usage": True})
+    assert validation_error(info.value.errors()).param == "stream_options"
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(messages=[{"role": "user"}])
+    assert validation_error(info.value.errors()).param == "messages.0"
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    ChatCompletionRequest(messages=[*MESSAGES, {"role": "assistant", "tool_calls": calls}])

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from engine.sampling_params import GrammarSpec
+from engine.structured import check
 from server.errors import APIError
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.structured import (
@@ -74,17 +75,50 @@ def test_tool_calls_from_the_whole_text():
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, len(CALLS)])
-def test_streamed_deltas_add_up_to_the_calls(step):
+def test_streamed_calls_come_whole_one_delta_per_index(step):
     stream = ToolCallStream(ToolCallMode())
     deltas = []
     for i in range(0, len(CALLS), step):
         deltas += stream.feed(CALLS[i : i + step])
-    heads = [d for d in deltas if d.id is not None]
-    assert [(h.index, h.type, h.function.name) for h in heads] == [(0, "function", "a"),
-                                                                  (1, "function", "b")]  # fmt: skip
-    for index, call in enumerate(tool_calls(CALLS, ToolCallMode())):
-        args = "".join(d.function.arguments or "" for d in deltas if d.index == index)
-        assert args == call.function.arguments
+    assert [d.index for d in deltas] == [0, 1]
+    assert all(d.id.startswith("call_") and d.type == "function" for d in deltas)
+    whole = tool_calls(CALLS, ToolCallMode())
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+
+
+ARGUMENTS = '{"q": [1, {"r": "}"}], "s": 2}'
+FIRST_CALL_END = CALLS.index("]}}") + 2  # where call a's arguments close
+
+
+@pytest.mark.parametrize("mode", [ToolCallMode(), ToolCallMode("b")])
+@pytest.mark.parametrize("cut", [1, 12, len(ARGUMENTS) - 1, FIRST_CALL_END, len(CALLS) - 3])
+def test_a_call_cut_short_is_dropped_alike_streamed_and_not(mode, cut):
+    text = CALLS[:cut] if mode.function is None else ARGUMENTS[: min(cut, len(ARGUMENTS) - 1)]
+    message, finish = read_reply(text, mode, "length")
+    streamed = ReplyStream(mode)
+    deltas = [d for i in range(len(text)) for d in streamed.feed(text[i], False).tool_calls or []]
+    assert finish == streamed.finish_reason("length") == "length"
+    assert message.content is None
+    calls = message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (d.function.name, d.function.arguments) for d in deltas
+    ]
+    assert len(calls) == (1 if mode.function is None and cut >= FIRST_CALL_END else 0)
+
+
+def test_required_keeps_root_relative_refs_valid():
+    inner = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    params = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Inner"},
+                                               "self": {"$ref": "#"}},
+              "$defs": {"Inner": inner}, "required": ["a"]}  # fmt: skip
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "c", "parameters": params}}]
+    wanted = constraint(chat(tools=tools, tool_choice="required"))
+    check(wanted.grammar)  # raised "Cannot find field '$defs'" before
+    refs = json.loads(wanted.grammar.value)["items"]["anyOf"][1]["properties"]["arguments"]
+    assert refs["properties"]["a"]["$ref"] == "#/items/anyOf/1/properties/arguments/$defs/Inner"
+    assert refs["properties"]["self"]["$ref"] == "#/items/anyOf/1/properties/arguments"
 
 
 QWEN_LIKE = "{% if tools %}... <tool_call>{...}</tool_call> ...{% endif %}"
