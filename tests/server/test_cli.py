@@ -94,9 +94,9 @@ def test_kv_tier_flags(monkeypatch, tmp_path):
 
 def test_body_and_generation_bounds():
     config = serve.server_config(parse())
-    assert (config.max_body_mb, config.max_tokens) == (32.0, None)
+    assert (config.max_body_mb, config.max_tokens_limit) == (32.0, None)
     config = serve.server_config(parse("--max-body-mb", "2", "--max-tokens-limit", "4"))
-    assert (config.max_body_mb, config.max_tokens) == (2.0, 4)
+    assert (config.max_body_mb, config.max_tokens_limit) == (2.0, 4)
 
 
 @pytest.mark.parametrize("argv", [
