@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from engine.attention import build_backend
 from engine.attention.base import AttentionMetadata, ForwardContext
-from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.models.base import CausalLM
 from kvstore.layout import KVCache
 
@@ -49,10 +49,7 @@ class SequenceRunner:
         self.block_size = block_size
         num_blocks = -(-max_tokens // block_size)
         cache = KVCache(model.kv_layout(block_size, param.dtype), num_blocks + 1, self.device)
-        cfg = model.config
-        self.backend = TorchSDPABackend(
-            cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
-        )
+        self.backend = build_backend(cache, model.config, model.attention_scale, "cpu", "torch")
         self.block_table = torch.arange(num_blocks, 0, -1, dtype=torch.int32, device=self.device)
         self.num_cached = 0
 
