@@ -1,9 +1,10 @@
 """Hugging Face folders: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
 
 A sharded checkpoint's files are the ones its ``model.safetensors.index.json`` names;
-without an index, every ``*.safetensors`` in the folder. ``num_mtp_layers`` counts the
-multi-token prediction layers the checkpoint really holds (transformers writes
-``num_nextn_predict_layers`` without them).
+without an index, every ``*.safetensors`` in the folder. A checkpoint whose config has a
+``quantization_config`` is dequantized while it streams (``engine.loader.fp8``: DeepSeek's
+block-scaled FP8). ``num_mtp_layers`` counts the multi-token prediction layers the
+checkpoint really holds (transformers writes ``num_nextn_predict_layers`` without them).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig
+from engine.loader.fp8 import dequantize_fp8, fp8_block_size
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +75,13 @@ def tensor_names(path: Path) -> list[str]:
 def iter_hf_weights(
     path: Path, device: torch.device | str = "cpu", progress: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` from every safetensors file, read straight onto ``device``."""
-    return _read_files(path, device, progress)
+    """Yield ``(name, tensor)`` from every safetensors file, read straight onto ``device``
+    (dequantized when the checkpoint is quantized)."""
+    weights = _read_files(path, device, progress)
+    quantization = read_hf_config(path).get("quantization_config")
+    if quantization:
+        return dequantize_fp8(weights, fp8_block_size(quantization))
+    return weights
 
 
 def _read_files(
