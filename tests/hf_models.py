@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-VOCAB = 320  # above the byte tokenizer's 260 ids
+VOCAB = 260  # the byte tokenizer's ids exactly: one token, one byte string
 
 _DEEPSEEK = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
