@@ -1,13 +1,17 @@
 """Shared test utilities (importable as ``helpers``: tests/ is on sys.path via conftest).
 
-Runs a model over one sequence through the paged KV cache.
+Runs a model over one sequence through the paged KV cache; reads a server's metrics and
+waits for its KV block files.
 """
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
 import torch
 
 from engine.attention import build_backend
@@ -131,3 +135,21 @@ def default_gguf() -> Path:
     from engine.loader import default_model_path
 
     return default_model_path()
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """The value of one series on ``server``'s ``/metrics``."""
+    body = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name + (f"{{{sel}}}" if sel else "")) + r" ([0-9.e+]+)"
+    match = re.search(pattern, body)
+    assert match, f"{name} {labels} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
+    """Wait until the file tier under ``kv_dir`` holds ``count`` block files."""
+    deadline = time.monotonic() + timeout
+    while len(list(kv_dir.rglob("*.kv"))) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} block files in {kv_dir}"
+        time.sleep(0.2)

@@ -10,12 +10,11 @@ byte tokenizer's 256 bytes and 4 special tokens, so the bytes name each token ex
 
 from __future__ import annotations
 
-import re
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import metric, wait_for_files
 
 QUESTIONS = [
     "Which ferry leaves first in the morning?",
@@ -39,21 +38,6 @@ def chat(server, content: str, max_tokens: int = 24) -> dict:
     assert len(tokens) == max_tokens
     return {"tokens": tokens, "cached": usage["prompt_tokens_details"]["cached_tokens"],
             "prompt_tokens": usage["prompt_tokens"]}  # fmt: skip
-
-
-def metric(server, name: str, **labels: str) -> float:
-    body = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    match = re.search(re.escape(name + (f"{{{sel}}}" if sel else "")) + r" ([0-9.e+]+)", body)
-    assert match, f"{name} {labels} not in /metrics"
-    return float(match.group(1))
-
-
-def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list(kv_dir.rglob("*.kv"))) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} block files in {kv_dir}"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
