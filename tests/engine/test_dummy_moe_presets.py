@@ -3,6 +3,7 @@ where their weights do not fit), tiny ones that run."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -68,3 +69,48 @@ def test_tiny_moe_presets_run_and_are_reproducible(preset):
     again = load_model(f"dummy:{preset}", progress=False)
     prompt = first.tokenizer.encode("ferries")
     assert greedy_generate(first.model, prompt, 8) == greedy_generate(again.model, prompt, 8)
+
+
+# The published config.json files of deepseek-ai/DeepSeek-V3 and Qwen/Qwen3-30B-A3B (the
+# keys ferry reads, and the ones beside them that it must not trip over).
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "bos_token_id": 0,
+    "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+QWEN3_30B_A3B_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+    "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+    "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("preset,release", [("deepseek-v3", DEEPSEEK_V3_CONFIG),
+                                            ("qwen3-30b-a3b", QWEN3_30B_A3B_CONFIG)])  # fmt: skip
+def test_full_width_presets_are_the_released_models_configs(preset, release):
+    from engine.config import ModelConfig
+
+    read = ModelConfig.from_hf_config(release, name=PRESETS[preset].name)
+    ours = PRESETS[preset]
+    assert dataclasses.replace(read, bos_token_id=ours.bos_token_id,
+                               eos_token_ids=ours.eos_token_ids) == ours  # fmt: skip
