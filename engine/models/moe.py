@@ -17,8 +17,11 @@ w2)``, a pure function of the tokens, the routing and the stacked expert weights
 A grouped-GEMM kernel, or an expert-parallel dispatcher (tokens to the ranks that own
 their experts and back), takes its place without the model changing. The torch version
 here sorts the (token, expert) pairs by expert and runs one product pair per expert that
-has tokens; it reads the per-expert counts on the host, so it is not captured in CUDA
-graphs — the kernel is what makes an MoE decode step capturable.
+has tokens; that reads the per-expert counts on the host. While a CUDA graph is being
+captured it runs ``moe_experts_dense`` instead: every expert over every token, weighted
+by zero where a token did not choose it — no host synchronisation, the same sum, at the
+cost of reading every expert's weights each step (what a decode batch that touches
+every expert reads anyway). The kernel replaces both.
 
 The router computes in float32 (``keeps_float32``: ``build_model`` leaves its weight and
 bias in float32 whatever the model's dtype), as transformers keeps DeepSeek's router.
@@ -45,6 +48,8 @@ def moe_experts(
     w2: torch.Tensor,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring)."""
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return moe_experts_dense(hidden, topk_ids, topk_weights, w13, w2)
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)
@@ -62,6 +67,26 @@ def moe_experts(
     weighted = y.float() * topk_weights.flatten()[order, None]
     out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, token_of, weighted).to(hidden.dtype)
+
+
+def moe_experts_dense(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """``moe_experts`` without reading anything back to the host: every expert runs on
+    every token, its output weighted by the token's weight for it (zero if unchosen)."""
+    per_expert = torch.zeros(
+        topk_ids.shape[0], w13.shape[0], dtype=torch.float32, device=hidden.device
+    ).scatter_add_(1, topk_ids, topk_weights.float())  # [T, E]
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        gate, up = F.linear(hidden, w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out += per_expert[:, expert, None] * y.float()
+    return out.to(hidden.dtype)
 
 
 class Router(nn.Module):
