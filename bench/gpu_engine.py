@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.common import machine_info
-from engine.attention import backend_for
+from engine.attention import build_backend
 from engine.loader import load_model
 from engine.models.llama import Linear
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
@@ -118,9 +118,7 @@ class Bench:
         self.config = cfg
         layout = self.model.kv_layout(BLOCK, dtype)
         self.cache = KVCache(layout, max_blocks + 1, device)
-        backend = backend_for(device)(
-            self.cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.model.attention_scale
-        )
+        backend = build_backend(self.cache, cfg, self.model.attention_scale, device)
         self.backend_name = type(backend).__name__
         self.runner = ModelRunner(self.model, backend, Sampler(cfg.vocab_size, device), BLOCK)
         self.kv_bytes_per_token = layout.bytes_per_block // BLOCK

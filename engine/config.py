@@ -14,21 +14,197 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``kind`` is "none" or "llama3"."""
+    """RoPE frequency scaling. ``kind`` is "none", "llama3" or "yarn".
+
+    YaRN (DeepSeek-V3, long-context Qwen3) uses ``factor``, ``original_max_position_embeddings``,
+    ``beta_fast``/``beta_slow`` (the ramp between extrapolated and interpolated frequencies),
+    ``truncate`` (round the ramp's ends), and ``mscale``/``mscale_all_dim`` (0: absent) or an
+    explicit ``attention_factor`` (the cos/sin magnitude); ``engine.models.rotary`` reads them
+    the way transformers does.
+    """
 
     kind: str = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, rope: dict[str, Any], max_position_embeddings: int) -> RopeScaling:
+        """From a ``rope_scaling`` / ``rope_parameters`` dict (null entries dropped)."""
+        kind = rope.get("rope_type", rope.get("type"))
+        original = rope.get("original_max_position_embeddings", max_position_embeddings)
+        if kind == "llama3":
+            return cls(
+                kind="llama3",
+                factor=rope["factor"],
+                low_freq_factor=rope["low_freq_factor"],
+                high_freq_factor=rope["high_freq_factor"],
+                original_max_position_embeddings=original,
+            )
+        if kind == "yarn":
+            return cls(
+                kind="yarn",
+                factor=rope.get("factor", max_position_embeddings / original),
+                original_max_position_embeddings=original,
+                beta_fast=rope.get("beta_fast", 32.0),
+                beta_slow=rope.get("beta_slow", 1.0),
+                mscale=rope.get("mscale", 0.0),
+                mscale_all_dim=rope.get("mscale_all_dim", 0.0),
+                attention_factor=rope.get("attention_factor"),
+                truncate=rope.get("truncate", True),
+            )
+        if kind not in (None, "default"):
+            raise NotImplementedError(f"rope scaling {kind!r}")
+        return cls()
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3).
+
+    Queries come from ``hidden`` directly (``q_lora_rank`` None) or through a rank
+    ``q_lora_rank`` bottleneck; keys and values from one latent per token: ``kv_lora_rank``
+    compressed values plus one ``qk_rope_head_dim`` rotary key shared by all heads, which is
+    all the KV cache holds. Each head's key is ``qk_nope_head_dim`` decompressed dims plus
+    the rotary ones; its value ``v_head_dim`` decompressed dims. ``rope_interleave``: the
+    rotary dims pair up as (0, 1), (2, 3), ... (DeepSeek's checkpoints), not as halves.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one token's cached latent: compressed values + the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> MLAConfig:
+        return cls(
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            q_lora_rank=cfg.get("q_lora_rank"),
+            rope_interleave=cfg.get("rope_interleave", True),
+        )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts in place of the MLP on every layer not in ``dense_layers``.
+
+    Routing (``engine.models.moe.Router``): ``scoring`` ("softmax": Qwen3; "sigmoid":
+    DeepSeek-V3) turns the router's logits into scores; with ``score_correction_bias`` a
+    learnt per-expert bias is added to the scores for *choosing* experts only; with
+    ``num_groups`` > 1 the experts split into groups, each group is ranked by the sum of
+    its two best scores and only the best ``topk_groups`` groups compete; the ``top_k``
+    best experts are kept, their weights are the unbiased scores, renormalised to sum to 1
+    when ``norm_topk_prob``, then multiplied by ``routed_scaling_factor``.
+    ``num_shared_experts`` experts (one MLP of ``num_shared_experts * intermediate_size``)
+    see every token.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    num_shared_experts: int = 0
+    scoring: str = "softmax"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    score_correction_bias: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring {self.scoring!r}")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError("experts must split evenly into num_groups >= topk_groups groups")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
+        """DeepSeek-V3 (``n_routed_experts``) or Qwen3-MoE (``num_experts``, written by
+        transformers as ``num_local_experts``); None when the model has no experts."""
+        if cfg.get("model_type") == "deepseek_v3":
+            return cls(
+                num_experts=cfg["n_routed_experts"],
+                top_k=cfg["num_experts_per_tok"],
+                intermediate_size=cfg["moe_intermediate_size"],
+                num_shared_experts=cfg.get("n_shared_experts", 0),
+                scoring="sigmoid",
+                norm_topk_prob=cfg.get("norm_topk_prob", True),
+                routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                num_groups=cfg.get("n_group", 1),
+                topk_groups=cfg.get("topk_group", 1),
+                score_correction_bias=True,
+                dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 0), num_layers))),
+            )
+        num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+        if not num_experts:
+            return None
+        step = cfg.get("decoder_sparse_step", 1)
+        only_mlp = set(cfg.get("mlp_only_layers", ()))
+        dense = tuple(i for i in range(num_layers) if i in only_mlp or (i + 1) % step)
+        return cls(
+            num_experts=num_experts,
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=cfg.get("norm_topk_prob", False),
+            dense_layers=dense,
+        )
+
+
+# transformers' class names → ferry's architecture names, for configs without model_type
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+
+def hf_architecture(cfg: dict[str, Any]) -> str:
+    """The architecture of a ``config.json``: its ``model_type``, else its first
+    ``architectures`` entry, else llama."""
+    if cfg.get("model_type"):
+        return cfg["model_type"]
+    names = cfg.get("architectures") or []
+    return _ARCHITECTURES.get(names[0], names[0]) if names else "llama"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and switches of a Llama-family decoder.
+    """Shape and switches of a decoder.
 
-    One implementation covers SmolLM2 / Llama 3 (``rope_scaling.kind="llama3"``),
-    Qwen2 (``attention_bias=True``) and Qwen3 (``qk_norm=True``).
+    The Llama family is one implementation: SmolLM2 / Llama 3 (``rope_scaling.kind=
+    "llama3"``), Qwen2 (``attention_bias=True``) and Qwen3 (``qk_norm=True``). Two optional
+    parts extend it: ``mla`` (multi-head latent attention in place of GQA; ``num_kv_heads``
+    is then ``num_heads`` and ``head_dim`` the query/key head width) and ``moe`` (experts in
+    place of the MLP on most layers; ``intermediate_size`` stays the dense layers' width).
+    DeepSeek-V3 has both, Qwen3-MoE only ``moe``. ``num_mtp_layers``: multi-token
+    prediction layers that follow the decoder (DeepSeek-V3's, loaded, not run yet).
     """
 
     vocab_size: int
@@ -49,39 +225,42 @@ class ModelConfig:
     name: str = "model"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.mla is not None and self.head_dim != self.mla.qk_head_dim:
+            raise ValueError("with MLA, head_dim is qk_nope_head_dim + qk_rope_head_dim")
 
     @property
     def fingerprint(self) -> str:
         """Identifies the model's KV content (used in block hashes and file headers)."""
-        return (
-            f"{self.name}:{self.architecture}:{self.num_layers}x{self.num_kv_heads}x{self.head_dim}"
-        )
+        shape = f"{self.num_layers}x{self.num_kv_heads}x{self.head_dim}"
+        if self.mla is not None:
+            shape = f"{self.num_layers}xmla{self.mla.kv_lora_rank}+{self.mla.qk_rope_head_dim}"
+        if self.moe is not None:
+            shape += f"-moe{self.moe.num_experts}top{self.moe.top_k}"
+        return f"{self.name}:{self.architecture}:{shape}"
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dict (Llama, Qwen2, Qwen3).
+        """Build from a Hugging Face ``config.json`` dict (Llama, Qwen2, Qwen3, Qwen3-MoE,
+        DeepSeek-V3).
 
         Null entries count as absent (transformers 5 writes ``"attention_bias": null``
         for Qwen2, which always has the bias, and may keep rope theta only under
         ``rope_parameters``)."""
         cfg = {k: v for k, v in cfg.items() if v is not None}
-        model_type = cfg.get("model_type", "llama")
+        arch = hf_architecture(cfg)
         heads = cfg["num_attention_heads"]
+        max_positions = cfg.get("max_position_embeddings", 8192)
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope = {k: v for k, v in rope.items() if v is not None}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = RopeScaling()
-        if rope.get("rope_type", rope.get("type")) == "llama3":
-            scaling = RopeScaling(
-                kind="llama3",
-                factor=rope["factor"],
-                low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"],
-                original_max_position_embeddings=rope["original_max_position_embeddings"],
-            )
+        mla = MLAConfig.from_hf(cfg) if "kv_lora_rank" in cfg else None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -90,19 +269,24 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # MLA has no KV heads: every head reads the one latent (transformers' default
+            # num_key_value_heads of 128 means nothing there)
+            num_kv_heads=heads if mla else cfg.get("num_key_value_heads", heads),
+            head_dim=mla.qk_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            rope_scaling=RopeScaling.from_hf(rope, max_positions),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
-            architecture=model_type,
+            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            architecture=arch,
             name=name,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            mla=mla,
+            moe=MoEConfig.from_hf(cfg, cfg["num_hidden_layers"]),
+            num_mtp_layers=cfg.get("num_nextn_predict_layers", 0),
         )
 
 

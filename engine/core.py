@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import torch
 
-from engine.attention import backend_for
+from engine.attention import build_backend
 from engine.config import CacheConfig, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
@@ -75,9 +75,7 @@ class EngineCore:
         cache_cfg = self.config.cache
         self.kv_cache = cache_factory(layout, cache_cfg.num_blocks, config.device)
         mc = loaded.config
-        backend = backend_for(config.device)(
-            self.kv_cache, mc.num_heads, mc.num_kv_heads, mc.head_dim, loaded.model.attention_scale
-        )
+        backend = build_backend(self.kv_cache, mc, loaded.model.attention_scale, config.device)
         pool = BlockPool(cache_cfg.num_blocks, cache_cfg.enable_prefix_caching)
         self.kv = KVCacheManager(pool, cache_cfg.block_size, self._tiers(cache_cfg, mc.fingerprint))
         self.max_model_len = self.config.scheduler.max_model_len

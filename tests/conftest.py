@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,22 @@ def default_gguf_path() -> Path:
 def smollm2(default_gguf_path: Path) -> LoadedModel:
     """SmolLM2-135M-Instruct from the default GGUF, CPU float32."""
     return load_model("default", device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_moe_dir(kind)``: the folder of a tiny random checkpoint written by transformers
+    (``hf_models.CONFIGS``), made once per session."""
+    from hf_models import write_tiny_model
+
+    made: dict[str, Path] = {}
+
+    def folder(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = write_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return made[kind]
+
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,21 @@
 """Shared test utilities (importable as ``helpers``: tests/ is on sys.path via conftest).
 
-Runs a model over one sequence through the paged KV cache.
+Runs a model over one sequence through the paged KV cache; reads a server's metrics and
+waits for its KV block files.
 """
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
 import torch
 
+from engine.attention import build_backend
 from engine.attention.base import AttentionMetadata, ForwardContext
-from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.models.base import CausalLM
 from kvstore.layout import KVCache
 
@@ -49,10 +53,7 @@ class SequenceRunner:
         self.block_size = block_size
         num_blocks = -(-max_tokens // block_size)
         cache = KVCache(model.kv_layout(block_size, param.dtype), num_blocks + 1, self.device)
-        cfg = model.config
-        self.backend = TorchSDPABackend(
-            cache, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
-        )
+        self.backend = build_backend(cache, model.config, model.attention_scale, "cpu", "torch")
         self.block_table = torch.arange(num_blocks, 0, -1, dtype=torch.int32, device=self.device)
         self.num_cached = 0
 
@@ -134,3 +135,21 @@ def default_gguf() -> Path:
     from engine.loader import default_model_path
 
     return default_model_path()
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """The value of one series on ``server``'s ``/metrics``."""
+    body = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name + (f"{{{sel}}}" if sel else "")) + r" ([0-9.e+]+)"
+    match = re.search(pattern, body)
+    assert match, f"{name} {labels} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
+    """Wait until the file tier under ``kv_dir`` holds ``count`` block files."""
+    deadline = time.monotonic() + timeout
+    while len(list(kv_dir.rglob("*.kv"))) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} block files in {kv_dir}"
+        time.sleep(0.2)

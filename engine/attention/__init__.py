@@ -1,33 +1,56 @@
-"""Attention backends, chosen by device: TileLang kernels on CUDA, torch SDPA elsewhere."""
+"""Attention backends, chosen by device and attention kind.
+
+Two kinds: ``gqa`` (``AttentionBackend``: per-head k and v in the cache; TileLang kernels
+on CUDA, torch SDPA elsewhere) and ``mla`` (``MLABackend``: one latent per token; torch
+ops everywhere until a kernel registers as ``tilelang``). ``build_backend`` reads which
+kind a model needs from its config.
+"""
 
 from __future__ import annotations
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, MLABackend
 from engine.attention.tilelang_backend import TileLangBackend
+from engine.attention.torch_mla import TorchMLABackend
 from engine.attention.torch_sdpa import TorchSDPABackend
+from engine.config import ModelConfig
 from kernels import kernels_usable
+from kvstore.layout import KVCache
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {
-    "torch": TorchSDPABackend,
-    "tilelang": TileLangBackend,
+_BACKENDS: dict[str, dict[str, type]] = {
+    "gqa": {"torch": TorchSDPABackend, "tilelang": TileLangBackend},
+    "mla": {"torch": TorchMLABackend},
 }
 
 
-def register_backend(name: str, cls: type[AttentionBackend]) -> None:
-    _BACKENDS[name] = cls
+def register_backend(name: str, cls: type, kind: str = "gqa") -> None:
+    _BACKENDS[kind][name] = cls
 
 
-def backend_for(device: str, name: str = "auto") -> type[AttentionBackend]:
-    """The backend called ``name``; ``auto`` picks TileLang where its kernels can run."""
+def backend_for(device: str, name: str = "auto", kind: str = "gqa") -> type:
+    """The ``kind`` backend called ``name``; ``auto`` picks TileLang where its kernels can
+    run and one is registered for ``kind``, torch otherwise."""
+    backends = _BACKENDS[kind]
     if name == "auto":
-        name = "tilelang" if kernels_usable(device) else "torch"
-    return _BACKENDS[name]
+        name = "tilelang" if "tilelang" in backends and kernels_usable(device) else "torch"
+    return backends[name]
+
+
+def build_backend(
+    cache: KVCache, config: ModelConfig, scale: float, device: str, name: str = "auto"
+) -> AttentionBackend | MLABackend:
+    """The backend a model of ``config`` attends through, over ``cache``."""
+    if config.mla is not None:
+        return backend_for(device, name, "mla")(cache, config.num_heads, config.mla, scale)
+    cls = backend_for(device, name, "gqa")
+    return cls(cache, config.num_heads, config.num_kv_heads, config.head_dim, scale)
 
 
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "ForwardContext",
+    "MLABackend",
     "backend_for",
+    "build_backend",
     "register_backend",
 ]

@@ -1,10 +1,14 @@
-"""Attention backend contract and the per-step forward context.
+"""Attention backend contracts and the per-step forward context.
 
-A model's attention layer computes q, k, v (and applies RoPE), then calls
+A GQA model's attention layer computes q, k, v (and applies RoPE), then calls
 ``ctx.attention(layer, q, k, v)``. The backend writes the new tokens' k and v into the
 paged cache at ``slot_mapping`` and attends each sequence's queries over its whole
-context (cached prefix + new tokens), causally. Backends are chosen by device through
-the registry in ``engine.attention``.
+context (cached prefix + new tokens), causally.
+
+An MLA model's layer calls ``ctx.mla_attention(layer, q, latent, kv_b)`` instead
+(``MLABackend``): the cache holds one latent per token and the backend decides how to
+attend over it. Backends are chosen by device and attention kind through the registry in
+``engine.attention``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import MLAConfig
 from kvstore.layout import KVCache
 
 
@@ -62,14 +67,53 @@ class AttentionBackend(ABC):
         """q: [T, Hq, D], k/v: [T, Hkv, D] → output [T, Hq, D]; stores k, v in the cache."""
 
 
+class MLABackend(ABC):
+    """Multi-head latent attention over a ``KVCache`` with the one component ``latent``.
+
+    Per token and layer the cache holds ``latent = [c, k_pe]``: the normalised compressed
+    KV ``c`` (``kv_lora_rank``) and the rotated key ``k_pe`` (``qk_rope_head_dim``) that
+    every head shares. Head h's key is ``[W_UK[h] c, k_pe]`` and its value ``W_UV[h] c``,
+    where ``kv_b`` (the model's ``kv_b_proj`` weight, [H * (nope + v), kv_lora_rank]) stacks
+    ``W_UK[h]`` (nope rows) over ``W_UV[h]`` (v rows) for each head in turn. A backend may
+    decompress keys and values (prefill) or fold ``W_UK`` into the query and apply ``W_UV``
+    after attending over the latents themselves (decode); the result is the same.
+    """
+
+    def __init__(self, cache: KVCache, num_heads: int, mla: MLAConfig, scale: float) -> None:
+        self.cache = cache
+        self.num_heads = num_heads
+        self.mla = mla
+        self.scale = scale
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        kv_b: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H, nope + rope] (rotary part rotated), latent: [T, kv_lora_rank + rope]
+        → output [T, H, v_head_dim]; stores the latents in the cache."""
+
+
 @dataclass
 class ForwardContext:
-    """Everything a model forward needs besides its inputs; built per step, never global."""
+    """Everything a model forward needs besides its inputs; built per step, never global.
+
+    ``backend`` is the kind the model's attention asks for: an ``AttentionBackend`` for
+    ``attention``, an ``MLABackend`` for ``mla_attention``."""
 
     meta: AttentionMetadata
-    backend: AttentionBackend
+    backend: AttentionBackend | MLABackend
 
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         return self.backend.forward(layer, q, k, v, self.meta)
+
+    def mla_attention(
+        self, layer: int, q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor
+    ) -> torch.Tensor:
+        return self.backend.forward(layer, q, latent, kv_b, self.meta)

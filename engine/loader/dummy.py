@@ -3,15 +3,83 @@
 ``dummy:<preset>`` builds the preset's model directly on the target device in the target
 dtype and fills it in place (no host copies), with a ``ByteTokenizer`` (one token per
 UTF-8 byte, ChatML template) so it can be served over HTTP; its text is meaningless.
+
+The full-width MoE presets (``deepseek-v3``: 61 layers and the MTP layer, 1.3 TB in
+bf16; ``deepseek-v3-4l``: 1 dense + 3 MoE layers, 74 GB; ``qwen3-30b-a3b``: 61 GB) are
+for GPUs. On ``device="meta"`` any preset builds at once (shapes only, no weights); on a
+device without room for its weights the build stops before allocating, with the size it
+needed. The ``*-tiny`` presets run anywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 from engine.models import build_model
 from engine.models.base import CausalLM
+
+_BYTE_TOKENS = dict(bos_token_id=256, eos_token_ids=(257, 259))  # ByteTokenizer's specials
+
+_DEEPSEEK_V3 = ModelConfig(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    num_layers=61,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=192,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    rope_scaling=RopeScaling(
+        kind="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    max_position_embeddings=163840,
+    architecture="deepseek_v3",
+    name="dummy-deepseek-v3",
+    mla=MLAConfig(
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        q_lora_rank=1536,
+    ),
+    moe=MoEConfig(
+        num_experts=256, top_k=8, intermediate_size=2048, num_shared_experts=1,
+        scoring="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, num_groups=8,
+        topk_groups=4, score_correction_bias=True, dense_layers=(0, 1, 2),
+    ),
+    num_mtp_layers=1,
+    **_BYTE_TOKENS,
+)  # fmt: skip
+
+_QWEN3_30B_A3B = ModelConfig(
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_layers=48,
+    num_heads=32,
+    num_kv_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    qk_norm=True,
+    architecture="qwen3_moe",
+    name="dummy-qwen3-30b-a3b",
+    moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True),
+    **_BYTE_TOKENS,
+)
+
+
+def _narrow(config: ModelConfig, name: str, **changes) -> ModelConfig:
+    return dataclasses.replace(config, name=f"dummy-{name}", **changes)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
@@ -67,7 +135,32 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=256,
         eos_token_ids=(257, 259),
     ),
-}
+    "deepseek-v3": _DEEPSEEK_V3,
+    "deepseek-v3-4l": _narrow(
+        _DEEPSEEK_V3, "deepseek-v3-4l", num_layers=4, num_mtp_layers=0,
+        moe=dataclasses.replace(_DEEPSEEK_V3.moe, dense_layers=(0,)),
+    ),
+    "deepseek-v3-tiny": _narrow(
+        _DEEPSEEK_V3, "deepseek-v3-tiny", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=24,
+        max_position_embeddings=2048,
+        rope_scaling=dataclasses.replace(
+            _DEEPSEEK_V3.rope_scaling, factor=4.0, original_max_position_embeddings=512
+        ),
+        mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16, q_lora_rank=48),
+        moe=dataclasses.replace(_DEEPSEEK_V3.moe, num_experts=16, top_k=4,
+                                intermediate_size=32, num_groups=4, topk_groups=2,
+                                dense_layers=(0,)),
+    ),
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen3-moe-tiny": _narrow(
+        _QWEN3_30B_A3B, "qwen3-moe-tiny", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        max_position_embeddings=2048,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
+    ),
+}  # fmt: skip
 
 
 def dummy_config(preset: str) -> ModelConfig:
@@ -81,7 +174,36 @@ def dummy_config(preset: str) -> ModelConfig:
 def build_dummy_model(
     config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0
 ) -> CausalLM:
-    """The model allocated on ``device`` in ``dtype`` with random weights made there."""
+    """The model allocated on ``device`` in ``dtype`` with random weights made there
+    (shapes alone on ``meta``). ``MemoryError`` before anything is allocated when the
+    weights do not fit the device's free memory."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return build_model(config, device, dtype)
+    need = weight_bytes(config, dtype)
+    free = free_memory(device)
+    if need > free:
+        raise MemoryError(
+            f"{config.name} needs {need / 2**30:.1f} GiB of weights in {dtype}; "
+            f"{device} has {free / 2**30:.1f} GiB free"
+        )
     model = build_model(config, device, dtype)
     model.init_random_weights(seed=seed)
     return model
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters in ``dtype`` (counted on the meta device)."""
+    model = build_model(config, "meta", dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes ``device`` can still give: free GPU memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

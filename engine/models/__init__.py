@@ -1,4 +1,5 @@
-"""Model registry: architecture name → ``CausalLM`` class, and ``build_model``."""
+"""Model registry: architecture name (a config's ``model_type``) → ``CausalLM`` class,
+and ``build_model``."""
 
 from __future__ import annotations
 
@@ -6,13 +7,17 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.base import CausalLM
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
 }
 
 
@@ -27,7 +32,8 @@ def build_model(
 
     Parameters are uninitialised (no random init is paid for); fill them with
     ``load_weights`` or ``init_random_weights``. The RoPE table is ready. The model is
-    in eval mode.
+    in eval mode. Modules that say ``keeps_float32`` (MoE routers) stay in float32.
+    ``device="meta"`` gives the shapes alone, at once, whatever the model's size.
     """
     try:
         cls = MODEL_REGISTRY[config.architecture]
@@ -35,6 +41,9 @@ def build_model(
         raise NotImplementedError(f"architecture {config.architecture!r}") from None
     with torch.device("meta"):
         model = cls(config).to(dtype)
+        for module in model.modules():
+            if getattr(module, "keeps_float32", False):
+                module.float()
     model = model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "reset_cache"):
@@ -42,4 +51,12 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
-__all__ = ["CausalLM", "LlamaForCausalLM", "MODEL_REGISTRY", "build_model", "register_model"]
+__all__ = [
+    "CausalLM",
+    "DeepseekV3ForCausalLM",
+    "LlamaForCausalLM",
+    "MODEL_REGISTRY",
+    "Qwen3MoeForCausalLM",
+    "build_model",
+    "register_model",
+]

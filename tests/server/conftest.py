@@ -181,7 +181,8 @@ def doomed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield s
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def serve() -> Callable[..., contextlib.AbstractContextManager[Server]]:
-    """``run_server`` itself, for tests that start (and restart) servers of their own."""
+    """``run_server`` itself, for tests and fixtures that start (and restart) servers of
+    their own."""
     return run_server

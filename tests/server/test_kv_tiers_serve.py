@@ -4,12 +4,11 @@ decode workers one loads what the other wrote. Tier metrics come out of /metrics
 
 from __future__ import annotations
 
-import re
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
+from helpers import metric, wait_for_files
 
 from engine.messages import EngineStats
 from server.metrics import Metrics
@@ -44,22 +43,6 @@ def complete(server, prompt: str, max_tokens: int = 12) -> dict:
             usage = chunk.get("usage") or usage
     return {"text": text, "ttft": ttft, "usage": usage,
             "cached": usage["prompt_tokens_details"]["cached_tokens"]}  # fmt: skip
-
-
-def metric(server, name: str, **labels: str) -> float:
-    body = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    sel = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name + (f"{{{sel}}}" if sel else "")) + r" ([0-9.e+]+)"
-    match = re.search(pattern, body)
-    assert match, f"{name} {labels} not in /metrics"
-    return float(match.group(1))
-
-
-def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list(kv_dir.rglob("*.kv"))) < count:
-        assert time.monotonic() < deadline, f"fewer than {count} block files in {kv_dir}"
-        time.sleep(0.2)
 
 
 def test_restarted_server_serves_the_prompt_from_the_file_tier(tmp_path, serve):

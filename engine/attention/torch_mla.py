@@ -1,0 +1,81 @@
+"""Multi-head latent attention in torch ops over the paged latent cache (any device).
+
+Same contract as every MLA backend (``engine.attention.base.MLABackend``): store the
+step's latents at ``slot_mapping``, then attend each sequence's queries over its whole
+context, causally.
+
+- **Prefill** (any step with more than one query for some sequence: prefill, chunked
+  prefill, mixed batches) decompresses each sequence's cached latents into per-head keys
+  ``[W_UK c, k_pe]`` and values ``W_UV c`` and runs ordinary attention, as transformers
+  does: the work is in the queries, and decompressing once per context is cheap beside it.
+- **Decode** (one query per sequence) never decompresses: ``W_UK`` is folded into the
+  query (``q_nope W_UK`` lives in the latent space), every head attends over the latents
+  themselves as one shared key/value head (``[c, k_pe]`` as keys, ``c`` as values), and
+  ``W_UV`` maps the result back per head. That reads ``kv_lora_rank + rope`` values per
+  cached token instead of ``H * (nope + rope + v)``, which is the point of MLA at decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionMetadata, MLABackend
+from engine.attention.torch_sdpa import each_sequence, padded_contexts, store_rows
+
+
+class TorchMLABackend(MLABackend):
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        kv_b: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cache = self.cache.layers[layer]
+        store_rows(cache, meta.slot_mapping, latent)
+        if meta.is_pure_decode:
+            return self.decode(cache, q, kv_b, meta)
+        return self.prefill(cache, q, kv_b, meta)
+
+    def _up_projections(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b`` as W_UK [H, nope, R] and W_UV [H, v, R] (views)."""
+        mla = self.mla
+        per_head = kv_b.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
+        return per_head.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+
+    def decode(
+        self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Absorbed attention, one query per sequence (module docstring)."""
+        mla = self.mla
+        w_uk, w_uv = self._up_projections(kv_b)
+        rows, mask = padded_contexts(cache, meta)  # [B, L, R + rope]
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk.to(q.dtype))
+        query = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(2).to(rows.dtype)
+        keys = rows.unsqueeze(1)  # one head that every query head shares
+        values = keys[..., : mla.kv_lora_rank]
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )  # [B, H, 1, R]
+        return torch.einsum("bhr,hvr->bhv", out.squeeze(2).to(q.dtype), w_uv.to(q.dtype))
+
+    def prefill(
+        self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention over decompressed keys and values, sequence by sequence."""
+        mla = self.mla
+        out = q.new_empty(q.shape[0], self.num_heads, mla.v_head_dim)
+        for tokens, rows, mask in each_sequence(cache, meta):
+            c, k_pe = rows.to(q.dtype).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            kv = F.linear(c, kv_b).unflatten(-1, (self.num_heads, -1))  # [L, H, nope + v]
+            k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
+            o = F.scaled_dot_product_attention(
+                q[tokens].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=mask, scale=self.scale,
+            )  # fmt: skip
+            out[tokens] = o.transpose(0, 1)
+        return out

@@ -1,0 +1,200 @@
+"""The mixture-of-experts layer: router, routed experts, shared experts.
+
+One layer serves every MoE model; what differs between them is the routing strategy,
+which ``MoEConfig`` states (see its docstring): Qwen3's softmax top-k (optionally
+renormalised) and DeepSeek-V3's sigmoid scores with a selection-only correction bias,
+grouped top-k and a scaling factor are the same ``Router`` with other settings.
+
+The routed experts' computation is ``moe_experts(hidden, topk_ids, topk_weights, w13,
+w2)``, a pure function of the tokens, the routing and the stacked expert weights:
+
+- ``hidden`` [T, H]; ``topk_ids`` [T, K] int64 expert ids; ``topk_weights`` [T, K] float32;
+- ``w13`` [E, 2I, H]: each expert's gate rows then up rows; ``w2`` [E, H, I]: its down
+  projection;
+- returns [T, H] in ``hidden``'s dtype: ``sum_k topk_weights[t, k] *
+  w2[e] (silu(gate_e(x)) * up_e(x))`` with ``e = topk_ids[t, k]``.
+
+A grouped-GEMM kernel, or an expert-parallel dispatcher (tokens to the ranks that own
+their experts and back), takes its place without the model changing. The torch version
+here sorts the (token, expert) pairs by expert and runs one product pair per expert that
+has tokens; that reads the per-expert counts on the host. While a CUDA graph is being
+captured it runs ``moe_experts_dense`` instead: every expert over every token, weighted
+by zero where a token did not choose it — no host synchronisation, the same sum, at the
+cost of reading every expert's weights each step (what a decode batch that touches
+every expert reads anyway). The kernel replaces both.
+
+The router computes in float32 (``keeps_float32``: ``build_model`` leaves its weight and
+bias in float32 whatever the model's dtype), as transformers keeps DeepSeek's router.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig, MoEConfig
+from engine.models.llama import LlamaMLP
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts' weighted sum per token (module docstring)."""
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return moe_experts_dense(hidden, topk_ids, topk_weights, w13, w2)
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.flatten()
+    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    token_of = order // top_k
+    x = hidden[token_of]
+    y = torch.empty(tokens * top_k, w2.shape[1], dtype=hidden.dtype, device=hidden.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+            y[rows] = F.linear(F.silu(gate) * up, w2[expert])
+            start += count
+    weighted = y.float() * topk_weights.flatten()[order, None]
+    out = torch.zeros(tokens, w2.shape[1], dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, token_of, weighted).to(hidden.dtype)
+
+
+def moe_experts_dense(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """``moe_experts`` without reading anything back to the host: every expert runs on
+    every token, its output weighted by the token's weight for it (zero if unchosen)."""
+    per_expert = torch.zeros(
+        topk_ids.shape[0], w13.shape[0], dtype=torch.float32, device=hidden.device
+    ).scatter_add_(1, topk_ids, topk_weights.float())  # [T, E]
+    out = torch.zeros(hidden.shape[0], w2.shape[1], dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        gate, up = F.linear(hidden, w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out += per_expert[:, expert, None] * y.float()
+    return out.to(hidden.dtype)
+
+
+class Router(nn.Module):
+    """Chooses ``top_k`` experts per token and their weights, as ``MoEConfig`` says.
+
+    ``forward(x [T, H])`` → ``(topk_weights [T, K] float32, topk_ids [T, K] int64)``.
+    """
+
+    keeps_float32 = True
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(moe.num_experts)) if moe.score_correction_bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores
+        if self.e_score_correction_bias is not None:  # steers the choice, not the weights
+            choice = scores + self.e_score_correction_bias.float()
+        if moe.num_groups > 1:
+            choice = _in_best_groups(choice, moe.num_groups, moe.topk_groups)
+        topk_ids = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, topk_ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, topk_ids
+
+
+def _in_best_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """``choice`` [T, E] with every expert outside the ``topk_groups`` best groups at -inf;
+    a group's rank is the sum of its two best scores (DeepSeek-V3)."""
+    grouped = choice.unflatten(-1, (num_groups, -1))  # [T, G, E/G]
+    best = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+    kept = best.topk(topk_groups, dim=-1).indices
+    mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~mask[..., None], float("-inf")).flatten(-2)
+
+
+class Experts(nn.Module):
+    """The routed experts' weights, stacked: ``w13`` [E, 2I, H] and ``w2`` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts), in place of a layer's MLP.
+
+    Parameter names follow Hugging Face's but for the stacked experts (``experts.w13``,
+    ``experts.w2``) and the fused shared gate/up (``shared_experts.gate_up_proj``);
+    ``moe_weight_target`` maps checkpoint names onto them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.gate = Router(config.hidden_size, moe)
+        self.experts = Experts(moe.num_experts, config.hidden_size, moe.intermediate_size)
+        self.shared_experts = (
+            LlamaMLP(_with_width(config, moe.num_shared_experts * moe.intermediate_size))
+            if moe.num_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = moe_experts(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def feed_forward(config: ModelConfig, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: the MoE on MoE layers, the dense gated MLP elsewhere."""
+    if config.moe is not None and config.moe.is_moe_layer(layer):
+        return MoE(config)
+    return LlamaMLP(config)
+
+
+def _with_width(config: ModelConfig, intermediate_size: int) -> ModelConfig:
+    return dataclasses.replace(config, intermediate_size=intermediate_size)
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_SHARED = re.compile(r"\.mlp\.shared_experts\.(gate|up)_proj\.weight$")
+
+
+def moe_weight_target(name: str, moe: MoEConfig) -> tuple[str, object] | None:
+    """(parameter name, index into it) that checkpoint tensor ``name`` fills, for the
+    per-expert and shared-expert gate/up/down tensors; None for any other name."""
+    size = moe.intermediate_size
+    if match := _EXPERT.search(name):
+        expert, part = int(match.group(1)), match.group(2)
+        prefix = name[: match.start()]
+        if part == "down":
+            return f"{prefix}.mlp.experts.w2", expert
+        rows = slice(0, size) if part == "gate" else slice(size, 2 * size)
+        return f"{prefix}.mlp.experts.w13", (expert, rows)
+    if match := _SHARED.search(name):
+        shared = moe.num_shared_experts * size
+        rows = slice(0, shared) if match.group(1) == "gate" else slice(shared, 2 * shared)
+        return f"{name[: match.start()]}.mlp.shared_experts.gate_up_proj.weight", rows
+    return None

@@ -1,0 +1,98 @@
+"""Tiny random DeepSeek-V3 and Qwen3-MoE checkpoints written by transformers itself.
+
+Each kind is a transformers config at toy width that still exercises the parts that
+matter: ``deepseek-v3`` has a query bottleneck (``q_lora_rank``), grouped top-k (4 groups
+of 4 experts, 2 kept), YaRN with an attention factor and a softmax mscale, and a
+correction bias large enough to change which experts are chosen; ``deepseek-v3-noqlora``
+projects queries directly, routes without groups and pairs its rotary dims as halves
+(``rope_interleave`` false); ``qwen3-moe`` has a dense layer between MoE layers and
+renormalised softmax routing. ``write_tiny_model`` saves one with ``save_pretrained``,
+so its ``config.json`` and tensor names are exactly what transformers writes (which
+includes ``num_nextn_predict_layers: 1`` with no MTP weights).
+
+Weights are transformers' random init at ``initializer_range`` 0.1 (logits far enough
+apart that greedy decoding does not hinge on rounding), norms in [0.5, 1.5] so their
+weights matter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 260  # the byte tokenizer's ids exactly: one token, one byte string
+
+_DEEPSEEK = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+    n_routed_experts=16, num_experts_per_tok=4, first_k_dense_replace=1, kv_lora_rank=32,
+    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=24, routed_scaling_factor=2.5,
+    max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.1,
+    bos_token_id=256, eos_token_id=257,
+)  # fmt: skip
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 256}  # fmt: skip
+    return DeepseekV3Config(**_DEEPSEEK, q_lora_rank=48, n_group=4, topk_group=2,
+                            rope_parameters=rope)  # fmt: skip
+
+
+def _deepseek_v3_no_q_lora():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**_DEEPSEEK, q_lora_rank=None, n_group=1, topk_group=1,
+                            rope_interleave=False)  # fmt: skip
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+        max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
+        bos_token_id=256, eos_token_id=257,
+    )  # fmt: skip
+
+
+CONFIGS = {
+    "deepseek-v3": _deepseek_v3,
+    "deepseek-v3-noqlora": _deepseek_v3_no_q_lora,
+    "qwen3-moe": _qwen3_moe,
+}
+
+
+def tiny_reference(kind: str, seed: int = 0) -> torch.nn.Module:
+    """transformers' model of ``kind`` with random weights (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid scores sit near 0.5
+                buffer.uniform_(-0.2, 0.2)
+    return model
+
+
+def write_tiny_model(kind: str, folder: Path, seed: int = 0) -> Path:
+    """Save the ``kind`` reference into ``folder`` with ``save_pretrained``."""
+    tiny_reference(kind, seed).save_pretrained(folder)
+    return folder
+
+
+def load_reference(folder: Path) -> torch.nn.Module:
+    """transformers' model read back from a folder (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
