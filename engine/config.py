@@ -146,6 +146,9 @@ class EngineConfig:
     model: str = "default"  # path to a GGUF file / HF folder, "default", or "dummy:<preset>"
     device: str = "cpu"
     dtype: str = "float32"
+    # matrices on the CPU (engine.models.quant): fp32, int8, int4; "auto": int4 for a GGUF
+    # model on the CPU (its own 4/8-bit blocks, kept as they are), fp32 otherwise
+    cpu_weights: str = "auto"
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs, every step runs eagerly

@@ -27,7 +27,7 @@ from engine.ipc import worker_sockets
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.tiered import KVTiers
-from engine.loader import load_model
+from engine.loader import load_model, resolve_cpu_weights
 from engine.messages import (
     AbortRequests,
     EngineFailed,
@@ -70,7 +70,10 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
-        loaded = load_model(config.model, device=config.device, dtype=dtype, progress=progress)
+        config = config.replace(cpu_weights=resolve_cpu_weights(config))
+        loaded = load_model(
+            config.model, config.device, dtype, progress, weights=config.cpu_weights
+        )
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer

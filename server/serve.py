@@ -128,8 +128,7 @@ def _at_least(low: float):
 
 def default_kv_dir() -> str:
     """``$FERRY_KV_DIR``, else ``ferry/kv`` in the user's cache directory."""
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return envs.KV_DIR.get() or os.path.join(cache_home, "ferry", "kv")
+    return envs.KV_DIR.get() or os.path.join(envs.user_cache_dir(), "ferry", "kv")
 
 
 def _on_cuda(args: argparse.Namespace) -> bool:

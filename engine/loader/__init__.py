@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.loader import dummy, hf
 from engine.models import build_model
 from engine.models.base import CausalLM
@@ -142,18 +142,32 @@ def load_tokenizer(spec: str) -> Tokenizer:
     return ByteTokenizer(hf.hf_model_config(path, path.name).vocab_size)
 
 
+def resolve_cpu_weights(config: EngineConfig) -> str:
+    """``config.cpu_weights`` with "auto" decided: int4 for a GGUF model on the CPU (its
+    4- and 8-bit blocks kept), fp32 for anything else."""
+    if config.cpu_weights != "auto":
+        return config.cpu_weights
+    on_cpu = torch.device(config.device).type == "cpu"
+    return "int4" if on_cpu and _resolve(config.model)[0] == "gguf" else "fp32"
+
+
 def load_model(
     spec: str,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     seed: int = 0,
+    weights: str = "fp32",
 ) -> LoadedModel:
     """Load config, weights (onto ``device`` in ``dtype``) and tokenizer for ``spec``.
 
     ``progress`` shows a tqdm bar on stderr while weights load; ``seed`` seeds dummy
-    weights. The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
+    weights. ``weights``: the matrices' format (``engine.models.quant.CPU_WEIGHTS``;
+    int8/int4 for GGUF and HF models on the CPU, where a GGUF's own blocks are kept).
+    The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
     """
+    if weights != "fp32" and (torch.device(device).type != "cpu" or spec.startswith(DUMMY_PREFIX)):
+        raise ValueError(f"{weights} weights: GGUF or HF models on the CPU only")
     start = time.perf_counter()
     kind, path = _resolve(spec)
     name = model_name(spec)
@@ -167,13 +181,14 @@ def load_model(
 
         gguf = GGUFFile(path)
         config = gguf_model_config(gguf, name)
-        model = build_model(config, device, dtype)
-        model.load_weights(iter_gguf_weights(gguf, config, progress))
+        model = build_model(config, device, dtype, weights)
+        model.load_weights(iter_gguf_weights(gguf, config, progress, blocks=weights != "fp32"))
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        gguf.close()
     else:
         assert path is not None
         config = hf.hf_model_config(path, name)
-        model = build_model(config, device, dtype)
+        model = build_model(config, device, dtype, weights)
         model.load_weights(hf.iter_hf_weights(path, device, progress))
         tokenizer = load_tokenizer(str(path))
     config = _with_tokenizer_eos(config, tokenizer)
@@ -201,6 +216,7 @@ __all__ = [
     "load_model",
     "load_model_config",
     "load_tokenizer",
+    "resolve_cpu_weights",
     "model_aliases",
     "model_name",
 ]

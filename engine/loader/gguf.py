@@ -11,6 +11,7 @@ are mapped to Hugging Face names.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
 import struct
@@ -27,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
+from kernels.cpu_quant import Q4, Q8, QuantWeight, pack_q4, pack_q8
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -162,6 +164,12 @@ class GGUFFile:
         data_start = -(-cur.pos // alignment) * alignment
         for name, shape, qtype, offset in entries:
             self.tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + offset)
+
+    def close(self) -> None:
+        """Unmap the file (its pages stop counting in this process's memory). Tensors
+        taken with ``raw`` must be gone; with one still alive the mapping stays."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
     @property
     def architecture(self) -> str:
@@ -341,15 +349,56 @@ def _progress(items: list[str], enabled: bool, desc: str) -> Any:
 
 
 def iter_gguf_weights(
-    gguf: GGUFFile, config: ModelConfig, progress: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor, q/k unpermuted for llama."""
+    gguf: GGUFFile, config: ModelConfig, progress: bool = False, blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor, q/k unpermuted for llama.
+
+    With ``blocks``, matrices stored as Q4_0, Q4_1 or Q8_0 come as ``QuantWeight`` blocks
+    instead (the same values, not dequantized: see ``gguf_blocks``)."""
     unpermute = {}
     if gguf.architecture == "llama":
         unpermute = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     for name in _progress(list(gguf.tensors), progress, f"loading {gguf.path.name}"):
-        tensor = gguf.dequantize_torch(name)
+        tensor = gguf_blocks(gguf, name) if blocks else None
+        if tensor is None:
+            tensor = gguf.dequantize_torch(name)
         parts = name.split(".")
         if len(parts) == 4 and parts[2] in unpermute:
-            tensor = unpermute_qk(tensor, unpermute[parts[2]])
+            tensor = _unpermute(tensor, unpermute[parts[2]])
         yield hf_tensor_name(name), tensor
+
+
+def _unpermute(tensor: torch.Tensor | QuantWeight, n_head: int) -> torch.Tensor | QuantWeight:
+    if isinstance(tensor, QuantWeight):  # rows of blocks move like rows of values
+        return QuantWeight(tensor.kind, unpermute_qk(tensor.data, n_head), tensor.k)
+    return unpermute_qk(tensor, n_head)
+
+
+def gguf_blocks(gguf: GGUFFile, name: str) -> QuantWeight | None:
+    """A Q4_0 / Q4_1 / Q8_0 matrix as ``kernels.cpu_quant`` blocks, the same values
+    exactly (float16 scales widened to float32; Q4_0's ``(q - 8) * d`` as ``q * d - 8d``,
+    exact too); None for other tensors."""
+    info = gguf.tensors[name]
+    if len(info.shape) != 2 or info.qtype not in _BLOCK_LAYOUTS:
+        return None
+    stride, kind = _BLOCK_LAYOUTS[info.qtype]
+    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(gguf.raw(name))
+    rows, k = info.torch_shape
+    raw = raw.reshape(rows, k // 32, stride)
+    d = _f16(raw[..., :2].reshape(-1, 2)).reshape(rows, -1)
+    if kind == Q8:
+        return pack_q8(d, raw[..., 2:].contiguous().view(torch.int8))
+    if info.qtype == GGMLQuantizationType.Q4_1:
+        m, qs = _f16(raw[..., 2:4].reshape(-1, 2)).reshape(rows, -1), raw[..., 4:]
+    else:
+        m, qs = -8 * d, raw[..., 2:]
+    return pack_q4(d, m, torch.cat((qs & 0x0F, qs >> 4), dim=-1))
+
+
+_BLOCK_LAYOUTS = {
+    GGMLQuantizationType.Q4_0: (18, Q4),
+    GGMLQuantizationType.Q4_1: (20, Q4),
+    GGMLQuantizationType.Q8_0: (34, Q8),
+}

@@ -7,6 +7,7 @@ import torch
 from engine.config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.quant import quantize_modules
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,
@@ -21,9 +22,13 @@ def register_model(architecture: str, cls: type[CausalLM]) -> None:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    config: ModelConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights: str = "fp32",
 ) -> CausalLM:
-    """Allocate the model for ``config.architecture`` on ``device`` in ``dtype``.
+    """Allocate the model for ``config.architecture`` on ``device`` in ``dtype``, its
+    matrices in ``weights`` (``engine.models.quant.CPU_WEIGHTS``: int8/int4 on the CPU).
 
     Parameters are uninitialised (no random init is paid for); fill them with
     ``load_weights`` or ``init_random_weights``. The RoPE table is ready. The model is
@@ -34,7 +39,7 @@ def build_model(
     except KeyError:
         raise NotImplementedError(f"architecture {config.architecture!r}") from None
     with torch.device("meta"):
-        model = cls(config).to(dtype)
+        model = quantize_modules(cls(config).to(dtype), weights)
     model = model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "reset_cache"):

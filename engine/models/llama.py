@@ -26,6 +26,7 @@ from torch import nn
 from engine.attention.base import ForwardContext
 from engine.config import ModelConfig, RopeScaling
 from engine.models.base import CausalLM
+from engine.models.quant import QuantEmbedding, QuantLinear, QuantWeight, as_float, quant_slots
 from kernels import ATTENTION_DTYPES, tilelang_available
 from kvstore.layout import KVCacheLayout
 
@@ -213,6 +214,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, QuantLinear):
+            return self.down_proj.forward_swiglu(gate_up)
         if fused_kernels_for(gate_up) and gate_up.is_contiguous():
             from kernels.activation import silu_and_mul
 
@@ -310,8 +313,12 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        embed = self.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            return embed.project(hidden)
+        return linear(hidden, embed.weight).float()
 
     def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
         cfg = self.config
@@ -341,11 +348,18 @@ class LlamaForCausalLM(CausalLM):
         return slice(start, start + sizes[index])
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (any dtype/device; converted). Raises ``KeyError`` for a
-        name the model does not have and ``ValueError`` if a parameter stays unset.
-        ``lm_head.weight`` is ignored when embeddings are tied."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Copy HF-named tensors in (any dtype/device; converted), or quantized blocks
+        (``QuantWeight``: into a quantized module as they are, dequantized elsewhere).
+        Raises ``KeyError`` for a name the model does not have and ``ValueError`` if a
+        weight stays unset. ``lm_head.weight`` is ignored when embeddings are tied."""
+        quant = quant_slots(self)
         params = dict(self.named_parameters())
+        sizes = {n: p.numel() for n, p in params.items()}
+        sizes.update({n: m.out_features * m.in_features for n, m in quant.items()
+                      if isinstance(m, QuantLinear)})  # fmt: skip
+        sizes.update({n: m.num_embeddings * m.embedding_dim for n, m in quant.items()
+                      if isinstance(m, QuantEmbedding)})  # fmt: skip
         filled: dict[str, int] = {}
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
@@ -353,18 +367,26 @@ class LlamaForCausalLM(CausalLM):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             if name == "model.rotary_emb.freq_factors":
-                self.model.rotary_emb.freq_factors = tensor.float().clone()
+                self.model.rotary_emb.freq_factors = as_float(tensor).float().clone()
                 self.model.rotary_emb.reset_cache()
                 continue
             target, rows = self._shard(name)
+            if target in quant:
+                try:
+                    done = quant[target].load(tensor, rows)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+                filled[target] = filled.get(target, 0) + done
+                continue
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}")
+            tensor = as_float(tensor)
             dest = params[target].data if rows is None else params[target].data[rows]
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + dest.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        missing = [n for n, size in sizes.items() if filled.get(n, 0) != size]
         if missing:
             more = "..." if len(missing) > 8 else ""
             raise ValueError(f"weights not loaded: {missing[:8]}{more}")
