@@ -22,35 +22,20 @@ about 30% more time at one row. ``gated=True`` takes the fused gate/up output
 activation costs no extra pass. ``dequantize`` gives the weights back in float32
 exactly (the prefill path, where a float32 GEMM is faster than the integer one).
 
-The kernels are C (``cpu_quant.c``: AVX2 + FMA where the CPU has them, portable C
-elsewhere), compiled on first use with the system C compiler into ``build_dir`` and
-loaded with ctypes; ``load`` returns None when no compiler is found, and callers then
-run ``dequantize_ref`` + ``F.linear``. OpenMP threads come from libgomp, the runtime
-torch itself loads, so the kernels and torch share one thread pool.
+This module holds the formats, the packing and the torch references; the kernels
+themselves are in ``kernels/cpu.c`` (``kernels.cpu``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("ferry.kernels")
-
 BLOCK = 32
 Q4, Q8 = 4, 8
 BLOCK_BYTES = {Q4: 24, Q8: 36}
-_ACT_BLOCK_BYTES = 72  # float d, float s, int16 qs[32]
-_SOURCE = Path(__file__).with_name("cpu_quant.c")
 
 
 @dataclass(frozen=True)
@@ -173,99 +158,3 @@ def qgemm_ref(
     if bias is not None:
         y = y + bias.double()
     return y.float()
-
-
-# ---- the compiled kernels -----------------------------------------------------------------
-
-
-class CpuQuantKernels:
-    """The compiled library: ``qgemm`` and ``dequantize`` on contiguous CPU tensors."""
-
-    def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.ferry_qgemm.argtypes = [i32, ptr, i64, i64, i32, ptr, i64, ptr, ptr, ptr, i32]
-        lib.ferry_qgemm.restype = None
-        lib.ferry_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32]
-        lib.ferry_dequantize.restype = None
-        lib.ferry_simd.restype = i32
-        self._lib = lib
-        self.path = path
-        self.simd = "avx2" if lib.ferry_simd() == 2 else "portable"
-
-    def qgemm(
-        self,
-        x: torch.Tensor,
-        weight: QuantWeight,
-        bias: torch.Tensor | None = None,
-        gated: bool = False,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``x [M, K]`` float32 (``[M, 2K]`` when ``gated``) → ``[M, n]`` float32."""
-        m, width = x.shape
-        k = weight.k
-        if (
-            x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or not x.is_contiguous()
-            or width != (2 * k if gated else k)
-        ):
-            raise ValueError(f"qgemm: x {tuple(x.shape)} {x.dtype} against k={k}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.n,)):
-            raise ValueError("qgemm: bias must be float32 [n]")
-        y = torch.empty(m, weight.n, dtype=torch.float32) if out is None else out
-        scratch = torch.empty(m * (k // BLOCK) * _ACT_BLOCK_BYTES, dtype=torch.uint8)
-        self._lib.ferry_qgemm(
-            weight.kind, x.data_ptr(), m, k, int(gated), weight.data.data_ptr(), weight.n,
-            None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(),
-            scratch.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        return y
-
-    def dequantize(self, weight: QuantWeight) -> torch.Tensor:
-        """The weights as float32 ``[n, k]`` (same values as ``dequantize_ref``)."""
-        out = torch.empty(weight.n, weight.k, dtype=torch.float32)
-        self._lib.ferry_dequantize(
-            weight.kind, weight.data.data_ptr(), weight.n, weight.k, out.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return out
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-std=c11"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-    return flags
-
-
-_LOADED: dict[Path, CpuQuantKernels | None] = {}
-
-
-def load(build_dir: str | Path) -> CpuQuantKernels | None:
-    """The kernels, compiled into ``build_dir`` on first use (keyed by the source, the
-    flags and the compiler, so an edit or another CPU rebuilds); None, with a warning, when
-    there is no C compiler or it fails."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    flags = _flags()
-    if compiler is None:
-        log.warning("no C compiler: quantized CPU weights run without their kernels (slower)")
-        return None
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join([compiler, *flags]).encode())
-    key = digest.hexdigest()[:16]
-    path = Path(build_dir) / f"ferry_cpu_quant_{key}.so"
-    if path in _LOADED:
-        return _LOADED[path]
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            cmd = [compiler, *flags, str(_SOURCE), "-o", str(built), "-lm"]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                log.warning("compiling %s failed; running without it:\n%s", _SOURCE, done.stderr)
-                _LOADED[path] = None
-                return None
-            os.replace(built, path)  # atomic: workers starting together may both build
-    _LOADED[path] = CpuQuantKernels(path)
-    return _LOADED[path]

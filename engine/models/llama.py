@@ -11,7 +11,10 @@ The residual stream is carried beside the hidden states (``residual + x`` is add
 the next norm), so on CUDA, with TileLang present, the add and the RMSNorm run as one
 kernel and RoPE rotates q and k in place in one kernel (``kernels.norm_rope_cache``): at
 decode, where a step is a few hundred small launches around the weight reads, that halves
-the launches. Elsewhere the same arithmetic runs as torch ops.
+the launches. On the CPU in float32 the C kernels of ``kernels.cpu`` do the same
+(``engine.cpu_kernels``), and the MLP of a quantized model folds SwiGLU into the down
+projection's kernel (``engine.models.quant``). Elsewhere the same arithmetic runs as
+torch ops.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from engine.attention.base import ForwardContext
 from engine.config import ModelConfig, RopeScaling
+from engine.cpu_kernels import cpu_kernels_for
 from engine.models.base import CausalLM
 from engine.models.quant import QuantEmbedding, QuantLinear, QuantWeight, as_float, quant_slots
 from kernels import ATTENTION_DTYPES, tilelang_available
@@ -96,6 +100,12 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        cpu = cpu_kernels_for(x)
+        if cpu is not None and x.is_contiguous() and self.weight.dtype == torch.float32:
+            if residual is None:
+                return cpu.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous():
+                return cpu.rms_norm(x, self.weight, self.eps, residual), residual
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -157,11 +167,17 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T] (on CUDA in place)."""
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T] (in place where a
+        kernel does it: CUDA, and float32 on the CPU)."""
         if fused_kernels_for(q) and positions.dtype == torch.int64:
             from kernels.norm_rope_cache import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin)
+        cpu = cpu_kernels_for(q)
+        if cpu is not None and k.dtype == torch.float32 and positions.dtype == torch.int64:
+            cpu.rope(q, positions, self.cos_sin)
+            cpu.rope(k, positions, self.cos_sin)
+            return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

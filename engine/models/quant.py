@@ -22,28 +22,21 @@ model whose ``load_weights`` routes through ``load_into`` can use it.
 
 from __future__ import annotations
 
-import functools
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import envs
+from engine.cpu_kernels import cpu_kernels
 from kernels import cpu_quant
+from kernels.cpu import CpuKernels
 from kernels.cpu_quant import BLOCK, BLOCK_BYTES, Q4, Q8, QuantWeight
 
 log = logging.getLogger("ferry.models")
 
 CPU_WEIGHTS = ("fp32", "int8", "int4")
 KERNEL_MAX_ROWS = 16  # more rows: dequantize + float32 GEMM (measured: bench/README.md)
-
-
-@functools.cache
-def kernels() -> cpu_quant.CpuQuantKernels | None:
-    """The compiled CPU kernels (built once into the user's cache), or None."""
-    return cpu_quant.load(Path(envs.user_cache_dir()) / "ferry" / "kernels")
 
 
 def _as_kind(tensor: torch.Tensor | QuantWeight, kind: int) -> QuantWeight:
@@ -69,10 +62,14 @@ class QuantLinear(nn.Module):
         row_bytes = in_features // BLOCK * BLOCK_BYTES[kind]
         self.register_buffer("qweight", torch.empty(out_features, row_bytes, dtype=torch.uint8))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._blocks: QuantWeight | None = None
 
     @property
     def weight_blocks(self) -> QuantWeight:
-        return QuantWeight(self.kind, self.qweight, self.in_features)
+        """``qweight`` as a ``QuantWeight`` (kept between calls while it is the same)."""
+        if self._blocks is None or self._blocks.data is not self.qweight:
+            self._blocks = QuantWeight(self.kind, self.qweight, self.in_features)
+        return self._blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x, gated=False)
@@ -83,10 +80,11 @@ class QuantLinear(nn.Module):
         return self._product(gate_up, gated=True)
 
     def _product(self, x: torch.Tensor, gated: bool) -> torch.Tensor:
-        lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1]).float()
-        kern = kernels()
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1]).float().contiguous()
+        kern = cpu_kernels()
         if kern is not None and x.shape[0] <= KERNEL_MAX_ROWS:
-            y = kern.qgemm(x.contiguous(), self.weight_blocks, self.bias, gated=gated)
+            y = kern.qgemm(x, self.weight_blocks, self.bias, gated=gated)
         else:
             if gated:
                 gate, up = x.chunk(2, dim=-1)
@@ -94,7 +92,7 @@ class QuantLinear(nn.Module):
             y = F.linear(x, self._dense(kern), self.bias)
         return y.reshape(*lead, self.out_features)
 
-    def _dense(self, kern: cpu_quant.CpuQuantKernels | None) -> torch.Tensor:
+    def _dense(self, kern: CpuKernels | None) -> torch.Tensor:
         blocks = self.weight_blocks
         return cpu_quant.dequantize_ref(blocks) if kern is None else kern.dequantize(blocks)
 
@@ -126,7 +124,7 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = QuantWeight(self.kind, self.qweight[ids.reshape(-1)], self.embedding_dim)
-        kern = kernels()
+        kern = cpu_kernels()
         out = cpu_quant.dequantize_ref(rows) if kern is None else kern.dequantize(rows)
         return out.reshape(*ids.shape, self.embedding_dim)
 
@@ -134,7 +132,7 @@ class QuantEmbedding(nn.Module):
         """``hidden @ E.T`` in float32: the logits of a tied head, at any row count on the
         kernel (a dequantized vocabulary matrix would be the largest tensor of the model)."""
         blocks = QuantWeight(self.kind, self.qweight, self.embedding_dim)
-        kern = kernels()
+        kern = cpu_kernels()
         if kern is None:
             return F.linear(hidden.float(), cpu_quant.dequantize_ref(blocks))
         return kern.qgemm(hidden.float().contiguous(), blocks)
