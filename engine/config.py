@@ -108,11 +108,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache. ``num_blocks=0`` means: size from ``memory_gb`` at start."""
+    """Paged KV cache. ``num_blocks=0`` means: size from ``memory_gb`` at start, or, when
+    that is 0 too, from the context length (``engine.kv_cache.sizing.auto_kv_blocks``)."""
 
     block_size: int = 16
     num_blocks: int = 0
-    memory_gb: float = 1.0
+    memory_gb: float = 0.0
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     # tiers below the cache (engine.kv_cache.tiered); off unless asked for (ferry serve does)

@@ -1,10 +1,9 @@
 """GGUF files: metadata, model config, tokenizer and dequantized weights.
 
-The header is parsed here directly (a few hundred milliseconds for a 49k-token
-vocabulary, against seconds for ``gguf.GGUFReader``), so a frontend can build the
-tokenizer quickly. Tensor data is memory-mapped and dequantized with torch ops for the
-common types (checked bit-exact against ``gguf.quants.dequantize``, which handles the
-rest); ggml shapes (innermost first) are reversed into torch order,
+The header is parsed directly (``gguf_header``, which imports neither torch nor ``gguf``),
+so a frontend can build the tokenizer quickly. Tensor data is memory-mapped and dequantized
+with torch ops for the common types (checked bit-exact against ``gguf.quants.dequantize``,
+which handles the rest); ggml shapes (innermost first) are reversed into torch order,
 llama.cpp's q/k row permutation is undone for the llama architecture, and tensor names
 are mapped to Hugging Face names.
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import re
-import struct
 import sys
 import warnings
 from collections.abc import Iterator
@@ -28,34 +26,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
+from engine.loader.gguf_header import (
+    _U32,
+    _U64,
+    DEFAULT_ALIGNMENT,
+    _Cursor,
+    read_gguf_metadata,  # noqa: F401  (its home before gguf_header)
+    read_header,
+)
 from kernels.cpu_quant import Q4, Q8, QuantWeight, pack_q4, pack_q8
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-_STRING, _ARRAY = 8, 9
-_SCALARS: dict[int, struct.Struct] = {
-    0: struct.Struct("<B"),
-    1: struct.Struct("<b"),
-    2: struct.Struct("<H"),
-    3: struct.Struct("<h"),
-    4: struct.Struct("<I"),
-    5: struct.Struct("<i"),
-    6: struct.Struct("<f"),
-    7: struct.Struct("<?"),
-    10: struct.Struct("<Q"),
-    11: struct.Struct("<q"),
-    12: struct.Struct("<d"),
-}
-_NUMPY_TYPES: dict[int, str] = {
-    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4",
-    6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8",
-}  # fmt: skip
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -77,55 +60,6 @@ class GGUFTensorInfo:
         return int(np.prod(self.shape)) * type_size // block_size
 
 
-class _Cursor:
-    """Sequential little-endian reads over a buffer."""
-
-    def __init__(self, buf: Any, pos: int = 0) -> None:
-        self.buf = buf
-        self.pos = pos
-
-    def scalar(self, fmt: struct.Struct) -> Any:
-        (value,) = fmt.unpack_from(self.buf, self.pos)
-        self.pos += fmt.size
-        return value
-
-    def string(self) -> str:
-        length = self.scalar(_U64)
-        raw = bytes(self.buf[self.pos : self.pos + length])
-        self.pos += length
-        return raw.decode("utf-8", errors="replace")
-
-    def strings(self, count: int) -> list[str]:
-        buf, pos, out = self.buf, self.pos, []
-        unpack = _U64.unpack_from
-        for _ in range(count):
-            (length,) = unpack(buf, pos)
-            pos += 8
-            out.append(bytes(buf[pos : pos + length]).decode("utf-8", errors="replace"))
-            pos += length
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            return self.array()
-        return self.scalar(_SCALARS[vtype])
-
-    def array(self) -> list[Any]:
-        etype = self.scalar(_U32)
-        count = self.scalar(_U64)
-        if etype == _STRING:
-            return self.strings(count)
-        if etype == _ARRAY:
-            return [self.array() for _ in range(count)]
-        dtype = np.dtype(_NUMPY_TYPES[etype])
-        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-        self.pos += count * dtype.itemsize
-        return values.tolist()
-
-
 class GGUFFile:
     """A parsed GGUF file: ``metadata`` (key → Python value) and ``tensors`` (name → info).
 
@@ -136,18 +70,7 @@ class GGUFFile:
         self.path = Path(path)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        cur = _Cursor(self._map)
-        if bytes(self._map[:4]) != GGUF_MAGIC:
-            raise ValueError(f"{self.path} is not a GGUF file")
-        cur.pos = 4
-        self.version = cur.scalar(_U32)
-        if self.version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {self.version} in {self.path}")
-        tensor_count, kv_count = cur.scalar(_U64), cur.scalar(_U64)
-        self.metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = cur.string()
-            self.metadata[key] = cur.value(cur.scalar(_U32))
+        self.version, tensor_count, self.metadata, cur = read_header(self._map, self.path)
         self.tensors: dict[str, GGUFTensorInfo] = {}
         if tensors:
             self._read_tensor_infos(cur, tensor_count)
@@ -233,11 +156,6 @@ _TORCH_DECODERS = {
     GGMLQuantizationType.Q4_0: _decode_q4_0,
     GGMLQuantizationType.Q4_1: _decode_q4_1,
 }
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Only the key/value metadata of a GGUF file."""
-    return GGUFFile(path, tensors=False).metadata
 
 
 def _arch_value(meta: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
