@@ -126,7 +126,5 @@ def test_decode_attention_matches_reference(cpu, heads, kv_heads, dim, block_siz
     ref = paged_decode_attention_ref(
         p.q, p.kv_cache, p.block_tables, p.seq_lens, num_kv_heads=kv_heads, scale=p.scale
     )
-    out = cpu.decode_attention(
-        p.q, p.kv_cache, p.block_tables, p.seq_lens, kv_heads, p.scale
-    )
+    out = cpu.decode_attention(p.q, p.kv_cache, p.block_tables, p.seq_lens, kv_heads, p.scale)
     assert rel_error(out, ref) < 1e-5
