@@ -292,11 +292,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache. ``num_blocks=0`` means: size from ``memory_gb`` at start."""
+    """Paged KV cache. ``num_blocks=0`` means: size from ``memory_gb`` at start, or, when
+    that is 0 too, from the context length (``engine.kv_cache.sizing.auto_kv_blocks``)."""
 
     block_size: int = 16
     num_blocks: int = 0
-    memory_gb: float = 1.0
+    memory_gb: float = 0.0
     enable_prefix_caching: bool = True
     cache_salt: str = ""
     # tiers below the cache (engine.kv_cache.tiered); off unless asked for (ferry serve does)
@@ -331,6 +332,9 @@ class EngineConfig:
     model: str = "default"  # path to a GGUF file / HF folder, "default", or "dummy:<preset>"
     device: str = "cpu"
     dtype: str = "float32"
+    # matrices on the CPU (engine.models.quant): fp32, int8, int4; "auto": int4 for a GGUF
+    # model on the CPU (its own 4/8-bit blocks, kept as they are), fp32 otherwise
+    cpu_weights: str = "auto"
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
     enforce_eager: bool = False  # on CUDA: no decode CUDA graphs, every step runs eagerly

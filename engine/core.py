@@ -20,8 +20,9 @@ from engine.attention import build_backend
 from engine.config import CacheConfig, EngineConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.sizing import auto_kv_blocks
 from engine.kv_cache.tiered import KVTiers
-from engine.loader import load_model
+from engine.loader import load_model, resolve_cpu_weights
 from engine.messages import (
     ENGINE,
     Abort,
@@ -65,7 +66,10 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
-        loaded = load_model(config.model, device=config.device, dtype=dtype, progress=progress)
+        config = config.replace(cpu_weights=resolve_cpu_weights(config))
+        loaded = load_model(
+            config.model, config.device, dtype, progress, weights=config.cpu_weights
+        )
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -105,13 +109,18 @@ class EngineCore:
         )  # fmt: skip
 
     def _resolve(self, config: EngineConfig, layout: KVCacheLayout) -> EngineConfig:
-        """Fill in what is only known now: block count and context length."""
+        """Fill in what is only known now: block count and context length (never past
+        the model's own, which its RoPE table covers)."""
         cache = config.cache
+        own = self.model_config.max_position_embeddings
+        limit = min(config.scheduler.max_model_len or own, own)
         if cache.num_blocks == 0:
-            num_blocks = int(cache.memory_gb * 2**30) // layout.bytes_per_block + 1
+            if cache.memory_gb > 0:
+                num_blocks = int(cache.memory_gb * 2**30) // layout.bytes_per_block + 1
+            else:
+                num_blocks = auto_kv_blocks(limit, cache.block_size, layout.bytes_per_block)
             cache = dataclasses.replace(cache, num_blocks=num_blocks)
         capacity = (cache.num_blocks - 1) * cache.block_size
-        limit = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         sched = dataclasses.replace(config.scheduler, max_model_len=min(limit, capacity))
         return config.replace(cache=cache, scheduler=sched)
 

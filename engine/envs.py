@@ -40,4 +40,10 @@ KV_DIR: EnvVar[str | None] = EnvVar(
     "FERRY_KV_DIR", str, None, "default of ferry serve --kv-dir (else ~/.cache/ferry/kv)"
 )
 
+
+def user_cache_dir() -> str:
+    """The user's cache directory: ``$XDG_CACHE_HOME``, else ``~/.cache``."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+
+
 REGISTRY = {v.name: v for v in (API_KEY, DEBUG_INTEGRITY, LOG_LEVEL, KV_DIR)}

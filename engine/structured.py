@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.messages import RequestOutput
 from engine.sampling_params import GrammarSpec
 
 if TYPE_CHECKING:
+    import torch
     import xgrammar
 
     from engine.request import Request

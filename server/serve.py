@@ -20,6 +20,7 @@ from typing import Any
 
 from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
+from engine.kv_cache.sizing import available_memory_bytes, host_tier_bytes
 from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.policies import POLICIES
@@ -29,6 +30,9 @@ from server.config import MAX_TOKENS_DEFAULT, ServerConfig
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
 # slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
 CUDA_BLOCK_SIZE = 128
+# On the CPU the KV cache is sized for two contexts of this many tokens unless told (the
+# default model's own 8k would be 0.75 GB of float32 KV per worker, this 0.19 GB).
+CPU_MAX_MODEL_LEN = 2048
 
 log = logging.getLogger("ferry.server")
 
@@ -99,17 +103,24 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default="default",
         help="GGUF file, HF folder, 'default' (SmolLM2-135M) or 'dummy:<preset>'",
     )
-    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--max-model-len", type=int,
+                   help=f"context length (default: the model's; at most {CPU_MAX_MODEL_LEN} "
+                        "on the CPU)")  # fmt: skip
     p.add_argument("--block-size", type=int,
                    help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE} on CUDA, "
                    f"{CacheConfig.block_size} on the CPU)")
-    p.add_argument("--kv-cache-memory-gb", type=float, help="memory for the KV cache")
+    p.add_argument("--kv-cache-memory-gb", type=float,
+                   help="memory for each worker's KV cache (default: two contexts of "
+                        "--max-model-len, at most 1)")  # fmt: skip
     p.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
     p.add_argument("--seed", type=int, help="engine seed for unseeded requests")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--device", help="cpu or cuda[:i]")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--cpu-weights", choices=["auto", "fp32", "int8", "int4"],
+                   help="CPU matrices: int4 (4-bit projections, 8-bit embeddings; a GGUF's "
+                        "own blocks), int8, or fp32 (default auto: int4 for GGUF)")  # fmt: skip
     p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan each step while the previous one runs (default: on CUDA)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
@@ -121,8 +132,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     tiers.add_argument("--kv-tiers", type=_tier_list,
                        help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
                             "host,file on the CPU; host on CUDA, and file too with --kv-dir)")
-    tiers.add_argument("--host-kv-cache-gb", type=_at_least(0.0), default=4.0,
-                       help="host memory per worker for KV blocks evicted from its cache")
+    tiers.add_argument("--host-kv-cache-gb", type=_at_least(0.0),
+                       help="host memory per worker for KV blocks evicted from its cache "
+                            "(default: 2%% of the memory available at start, shared by the "
+                            "workers started, at most 4)")
     tiers.add_argument("--kv-dir", help="file tier directory, shared by every worker of the "
                        f"machine (default: ${envs.KV_DIR.name} or ~/.cache/ferry/kv)")
     tiers.add_argument("--kv-file-capacity-gb", type=_at_least(1e-6), default=20.0,
@@ -176,8 +189,7 @@ def _at_least(low: float):
 
 def default_kv_dir() -> str:
     """``$FERRY_KV_DIR``, else ``ferry/kv`` in the user's cache directory."""
-    cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return envs.KV_DIR.get() or os.path.join(cache_home, "ferry", "kv")
+    return envs.KV_DIR.get() or os.path.join(envs.user_cache_dir(), "ferry", "kv")
 
 
 def _on_cuda(args: argparse.Namespace) -> bool:
@@ -197,11 +209,22 @@ def kv_tiers(args: argparse.Namespace) -> frozenset[str]:
     return frozenset({"host", "file"})
 
 
+def host_tier_gb(args: argparse.Namespace) -> float:
+    """``--host-kv-cache-gb``, or each started worker's share of the memory available now
+    (``engine.kv_cache.sizing.host_tier_bytes``; ``ferry worker`` counts as one)."""
+    if args.host_kv_cache_gb is not None:
+        return args.host_kv_cache_gb
+    workers = 1
+    if not getattr(args, "aggregated", True):
+        workers = max(1, args.prefill + args.decode)
+    return host_tier_bytes(available_memory_bytes(), workers) / 2**30
+
+
 def _tier_fields(args: argparse.Namespace) -> dict[str, Any]:
     kv_dir = args.kv_dir or default_kv_dir()
     tiers = kv_tiers(args)
     return {
-        "host_memory_gb": args.host_kv_cache_gb if "host" in tiers else 0.0,
+        "host_memory_gb": host_tier_gb(args) if "host" in tiers else 0.0,
         "kv_dir": os.path.abspath(os.path.expanduser(kv_dir)) if "file" in tiers else "",
         "file_capacity_gb": args.kv_file_capacity_gb,
         "file_ttl_hours": args.kv_file_ttl_hours,
@@ -220,14 +243,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if args.block_size is None and _on_cuda(args):
         sizes["block_size"] = CUDA_BLOCK_SIZE
     cache = CacheConfig(**sizes, **_tier_fields(args))
-    scheduler = SchedulerConfig(
-        **_given(
-            args,
-            max_num_seqs="max_num_seqs",
-            max_num_batched_tokens="max_num_batched_tokens",
-            max_model_len="max_model_len",
-        )
-    )
+    limits = _given(args, max_num_seqs="max_num_seqs",
+                    max_num_batched_tokens="max_num_batched_tokens", max_model_len="max_model_len")
+    if args.max_model_len is None and not _on_cuda(args):
+        limits["max_model_len"] = CPU_MAX_MODEL_LEN  # the model's own if shorter
+    scheduler = SchedulerConfig(**limits)  # fmt: skip
     structured = StructuredOutputConfig(
         **_given(
             args,
@@ -237,7 +257,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
     top = _given(
         args, seed="seed", num_threads="threads", device="device", dtype="dtype",
-        enforce_eager="enforce_eager", overlap_scheduling="overlap_scheduling",
+        cpu_weights="cpu_weights", enforce_eager="enforce_eager",
+        overlap_scheduling="overlap_scheduling",
     )  # fmt: skip
     return EngineConfig(
         model=args.model, cache=cache, scheduler=scheduler, structured=structured, **top

@@ -1,14 +1,16 @@
 """Attention backends, chosen by device and attention kind.
 
 Two kinds: ``gqa`` (``AttentionBackend``: per-head k and v in the cache; TileLang kernels
-on CUDA, torch SDPA elsewhere) and ``mla`` (``MLABackend``: one latent per token; torch
-ops everywhere until a kernel registers as ``tilelang``). ``build_backend`` reads which
-kind a model needs from its config.
+on CUDA, C kernels around torch SDPA on the CPU (``cpu_backend``), torch SDPA elsewhere)
+and ``mla`` (``MLABackend``: one latent per token; torch ops everywhere until a kernel
+registers as ``tilelang``). ``build_backend`` reads which kind a model needs from its
+config.
 """
 
 from __future__ import annotations
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, MLABackend
+from engine.attention.cpu_backend import CpuBackend
 from engine.attention.tilelang_backend import TileLangBackend
 from engine.attention.torch_mla import TorchMLABackend
 from engine.attention.torch_sdpa import TorchSDPABackend
@@ -17,7 +19,7 @@ from kernels import kernels_usable
 from kvstore.layout import KVCache
 
 _BACKENDS: dict[str, dict[str, type]] = {
-    "gqa": {"torch": TorchSDPABackend, "tilelang": TileLangBackend},
+    "gqa": {"torch": TorchSDPABackend, "tilelang": TileLangBackend, "cpu": CpuBackend},
     "mla": {"torch": TorchMLABackend},
 }
 
@@ -28,10 +30,15 @@ def register_backend(name: str, cls: type, kind: str = "gqa") -> None:
 
 def backend_for(device: str, name: str = "auto", kind: str = "gqa") -> type:
     """The ``kind`` backend called ``name``; ``auto`` picks TileLang where its kernels can
-    run and one is registered for ``kind``, torch otherwise."""
+    run, the CPU backend on the CPU, torch otherwise (each where one is registered for
+    ``kind``)."""
     backends = _BACKENDS[kind]
     if name == "auto":
-        name = "tilelang" if "tilelang" in backends and kernels_usable(device) else "torch"
+        on_cpu = str(device).split(":")[0] == "cpu"
+        if "tilelang" in backends and kernels_usable(device):
+            name = "tilelang"
+        else:
+            name = "cpu" if on_cpu and "cpu" in backends else "torch"
     return backends[name]
 
 

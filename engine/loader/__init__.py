@@ -9,7 +9,9 @@ A spec is one of:
   checkpoints by their index, DeepSeek's FP8 ones dequantized: ``engine.loader.hf``);
 - ``"dummy:<preset>"``: random weights at a real shape (``engine.loader.dummy.PRESETS``).
 
-The ``gguf`` package is imported only when a GGUF file is read.
+torch and the ``gguf`` package are imported only when weights are loaded (or for a dummy
+or Hugging Face spec): a frontend serving a GGUF file reads its header and tokenizer
+without them, saving ~200 MB and seconds of start-up.
 
 The served model name is the file or folder stem (``SmolLM2-135M-Instruct.Q4_1``);
 ``LoadedModel.aliases`` lists other names a client may reasonably send.
@@ -24,14 +26,15 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.config import ModelConfig
-from engine.loader import dummy, hf
-from engine.models import build_model
-from engine.models.base import CausalLM
+from engine.config import EngineConfig, ModelConfig
 from engine.tokenizer import ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,8 @@ def model_name(spec: str) -> str:
     """The name a model is served under: the file/folder stem, ``dummy-<preset>``."""
     kind, path = _resolve(spec)
     if kind == "dummy":
+        from engine.loader import dummy
+
         return dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).name
     assert path is not None
     return path.stem if kind == "gguf" else path.name
@@ -110,6 +115,8 @@ def model_aliases(spec: str) -> tuple[str, ...]:
 def load_model_config(spec: str) -> ModelConfig:
     """The model's config as ``load_model`` gives it, without loading weights (fast:
     headers and tokenizer only)."""
+    from engine.loader import dummy, hf
+
     kind, path = _resolve(spec)
     name = model_name(spec)
     if kind == "dummy":
@@ -131,30 +138,55 @@ def load_tokenizer(spec: str) -> Tokenizer:
     An HF folder without ``tokenizer.json`` gets a ``ByteTokenizer`` (with a warning)."""
     kind, path = _resolve(spec)
     if kind == "dummy":
+        from engine.loader import dummy
+
         return ByteTokenizer(dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).vocab_size)
     assert path is not None
     if kind == "gguf":
-        from engine.loader.gguf import read_gguf_metadata
+        from engine.loader.gguf_header import read_gguf_metadata
 
         return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    from engine.loader import hf
+
     if hf.has_tokenizer(path):
         return Tokenizer.from_pretrained_dir(path)
     logger.warning("%s has no tokenizer.json; using a byte-level stand-in", path)
     return ByteTokenizer(hf.hf_model_config(path, path.name).vocab_size)
 
 
+def resolve_cpu_weights(config: EngineConfig) -> str:
+    """``config.cpu_weights`` with "auto" decided: int4 for a GGUF model on the CPU (its
+    4- and 8-bit blocks kept), fp32 for anything else."""
+    if config.cpu_weights != "auto":
+        return config.cpu_weights
+    on_cpu = config.device.split(":")[0] == "cpu"
+    return "int4" if on_cpu and _resolve(config.model)[0] == "gguf" else "fp32"
+
+
 def load_model(
     spec: str,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     progress: bool = True,
     seed: int = 0,
+    weights: str = "fp32",
 ) -> LoadedModel:
     """Load config, weights (onto ``device`` in ``dtype``) and tokenizer for ``spec``.
 
-    ``progress`` shows a tqdm bar on stderr while weights load; ``seed`` seeds dummy
-    weights. The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
+    ``dtype`` None is float32. ``progress`` shows a tqdm bar on stderr while weights load;
+    ``seed`` seeds dummy weights. ``weights``: the matrices' format
+    (``engine.models.quant.CPU_WEIGHTS``; int8/int4 for GGUF and HF models on the CPU, where
+    a GGUF's own blocks are kept).
+    The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
     """
+    import torch
+
+    from engine.loader import dummy, hf
+    from engine.models import build_model
+
+    dtype = torch.float32 if dtype is None else dtype
+    if weights != "fp32" and (torch.device(device).type != "cpu" or spec.startswith(DUMMY_PREFIX)):
+        raise ValueError(f"{weights} weights: GGUF or HF models on the CPU only")
     start = time.perf_counter()
     kind, path = _resolve(spec)
     name = model_name(spec)
@@ -168,13 +200,14 @@ def load_model(
 
         gguf = GGUFFile(path)
         config = gguf_model_config(gguf, name)
-        model = build_model(config, device, dtype)
-        model.load_weights(iter_gguf_weights(gguf, config, progress))
+        model = build_model(config, device, dtype, weights)
+        model.load_weights(iter_gguf_weights(gguf, config, progress, blocks=weights != "fp32"))
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        gguf.close()
     else:
         assert path is not None
         config = hf.hf_model_config(path, name)
-        model = build_model(config, device, dtype)
+        model = build_model(config, device, dtype, weights)
         model.load_weights(hf.iter_hf_weights(path, device, progress))
         tokenizer = load_tokenizer(str(path))
     config = _with_tokenizer_eos(config, tokenizer)
@@ -202,6 +235,7 @@ __all__ = [
     "load_model",
     "load_model_config",
     "load_tokenizer",
+    "resolve_cpu_weights",
     "model_aliases",
     "model_name",
 ]

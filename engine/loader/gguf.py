@@ -1,19 +1,18 @@
 """GGUF files: metadata, model config, tokenizer and dequantized weights.
 
-The header is parsed here directly (a few hundred milliseconds for a 49k-token
-vocabulary, against seconds for ``gguf.GGUFReader``), so a frontend can build the
-tokenizer quickly. Tensor data is memory-mapped and dequantized with torch ops for the
-common types (checked bit-exact against ``gguf.quants.dequantize``, which handles the
-rest); ggml shapes (innermost first) are reversed into torch order,
+The header is parsed directly (``gguf_header``, which imports neither torch nor ``gguf``),
+so a frontend can build the tokenizer quickly. Tensor data is memory-mapped and dequantized
+with torch ops for the common types (checked bit-exact against ``gguf.quants.dequantize``,
+which handles the rest); ggml shapes (innermost first) are reversed into torch order,
 llama.cpp's q/k row permutation is undone for the llama architecture, and tensor names
 are mapped to Hugging Face names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import re
-import struct
 import sys
 import warnings
 from collections.abc import Iterator
@@ -27,33 +26,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
+from engine.loader.gguf_header import (
+    _U32,
+    _U64,
+    DEFAULT_ALIGNMENT,
+    _Cursor,
+    read_gguf_metadata,  # noqa: F401  (its home before gguf_header)
+    read_header,
+)
+from kernels.cpu_quant import Q4, Q8, QuantWeight, pack_q4, pack_q8
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
-GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-_STRING, _ARRAY = 8, 9
-_SCALARS: dict[int, struct.Struct] = {
-    0: struct.Struct("<B"),
-    1: struct.Struct("<b"),
-    2: struct.Struct("<H"),
-    3: struct.Struct("<h"),
-    4: struct.Struct("<I"),
-    5: struct.Struct("<i"),
-    6: struct.Struct("<f"),
-    7: struct.Struct("<?"),
-    10: struct.Struct("<Q"),
-    11: struct.Struct("<q"),
-    12: struct.Struct("<d"),
-}
-_NUMPY_TYPES: dict[int, str] = {
-    0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4",
-    6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8",
-}  # fmt: skip
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -75,55 +60,6 @@ class GGUFTensorInfo:
         return int(np.prod(self.shape)) * type_size // block_size
 
 
-class _Cursor:
-    """Sequential little-endian reads over a buffer."""
-
-    def __init__(self, buf: Any, pos: int = 0) -> None:
-        self.buf = buf
-        self.pos = pos
-
-    def scalar(self, fmt: struct.Struct) -> Any:
-        (value,) = fmt.unpack_from(self.buf, self.pos)
-        self.pos += fmt.size
-        return value
-
-    def string(self) -> str:
-        length = self.scalar(_U64)
-        raw = bytes(self.buf[self.pos : self.pos + length])
-        self.pos += length
-        return raw.decode("utf-8", errors="replace")
-
-    def strings(self, count: int) -> list[str]:
-        buf, pos, out = self.buf, self.pos, []
-        unpack = _U64.unpack_from
-        for _ in range(count):
-            (length,) = unpack(buf, pos)
-            pos += 8
-            out.append(bytes(buf[pos : pos + length]).decode("utf-8", errors="replace"))
-            pos += length
-        self.pos = pos
-        return out
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            return self.array()
-        return self.scalar(_SCALARS[vtype])
-
-    def array(self) -> list[Any]:
-        etype = self.scalar(_U32)
-        count = self.scalar(_U64)
-        if etype == _STRING:
-            return self.strings(count)
-        if etype == _ARRAY:
-            return [self.array() for _ in range(count)]
-        dtype = np.dtype(_NUMPY_TYPES[etype])
-        values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-        self.pos += count * dtype.itemsize
-        return values.tolist()
-
-
 class GGUFFile:
     """A parsed GGUF file: ``metadata`` (key → Python value) and ``tensors`` (name → info).
 
@@ -134,18 +70,7 @@ class GGUFFile:
         self.path = Path(path)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        cur = _Cursor(self._map)
-        if bytes(self._map[:4]) != GGUF_MAGIC:
-            raise ValueError(f"{self.path} is not a GGUF file")
-        cur.pos = 4
-        self.version = cur.scalar(_U32)
-        if self.version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {self.version} in {self.path}")
-        tensor_count, kv_count = cur.scalar(_U64), cur.scalar(_U64)
-        self.metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = cur.string()
-            self.metadata[key] = cur.value(cur.scalar(_U32))
+        self.version, tensor_count, self.metadata, cur = read_header(self._map, self.path)
         self.tensors: dict[str, GGUFTensorInfo] = {}
         if tensors:
             self._read_tensor_infos(cur, tensor_count)
@@ -162,6 +87,12 @@ class GGUFFile:
         data_start = -(-cur.pos // alignment) * alignment
         for name, shape, qtype, offset in entries:
             self.tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + offset)
+
+    def close(self) -> None:
+        """Unmap the file (its pages stop counting in this process's memory). Tensors
+        taken with ``raw`` must be gone; with one still alive the mapping stays."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
     @property
     def architecture(self) -> str:
@@ -225,11 +156,6 @@ _TORCH_DECODERS = {
     GGMLQuantizationType.Q4_0: _decode_q4_0,
     GGMLQuantizationType.Q4_1: _decode_q4_1,
 }
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """Only the key/value metadata of a GGUF file."""
-    return GGUFFile(path, tensors=False).metadata
 
 
 def _arch_value(meta: dict[str, Any], arch: str, key: str, default: Any = None) -> Any:
@@ -341,15 +267,56 @@ def _progress(items: list[str], enabled: bool, desc: str) -> Any:
 
 
 def iter_gguf_weights(
-    gguf: GGUFFile, config: ModelConfig, progress: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor, q/k unpermuted for llama."""
+    gguf: GGUFFile, config: ModelConfig, progress: bool = False, blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor, q/k unpermuted for llama.
+
+    With ``blocks``, matrices stored as Q4_0, Q4_1 or Q8_0 come as ``QuantWeight`` blocks
+    instead (the same values, not dequantized: see ``gguf_blocks``)."""
     unpermute = {}
     if gguf.architecture == "llama":
         unpermute = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}
     for name in _progress(list(gguf.tensors), progress, f"loading {gguf.path.name}"):
-        tensor = gguf.dequantize_torch(name)
+        tensor = gguf_blocks(gguf, name) if blocks else None
+        if tensor is None:
+            tensor = gguf.dequantize_torch(name)
         parts = name.split(".")
         if len(parts) == 4 and parts[2] in unpermute:
-            tensor = unpermute_qk(tensor, unpermute[parts[2]])
+            tensor = _unpermute(tensor, unpermute[parts[2]])
         yield hf_tensor_name(name), tensor
+
+
+def _unpermute(tensor: torch.Tensor | QuantWeight, n_head: int) -> torch.Tensor | QuantWeight:
+    if isinstance(tensor, QuantWeight):  # rows of blocks move like rows of values
+        return QuantWeight(tensor.kind, unpermute_qk(tensor.data, n_head), tensor.k)
+    return unpermute_qk(tensor, n_head)
+
+
+def gguf_blocks(gguf: GGUFFile, name: str) -> QuantWeight | None:
+    """A Q4_0 / Q4_1 / Q8_0 matrix as ``kernels.cpu_quant`` blocks, the same values
+    exactly (float16 scales widened to float32; Q4_0's ``(q - 8) * d`` as ``q * d - 8d``,
+    exact too); None for other tensors."""
+    info = gguf.tensors[name]
+    if len(info.shape) != 2 or info.qtype not in _BLOCK_LAYOUTS:
+        return None
+    stride, kind = _BLOCK_LAYOUTS[info.qtype]
+    with warnings.catch_warnings():  # the mapping is read-only; nothing here writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(gguf.raw(name))
+    rows, k = info.torch_shape
+    raw = raw.reshape(rows, k // 32, stride)
+    d = _f16(raw[..., :2].reshape(-1, 2)).reshape(rows, -1)
+    if kind == Q8:
+        return pack_q8(d, raw[..., 2:].contiguous().view(torch.int8))
+    if info.qtype == GGMLQuantizationType.Q4_1:
+        m, qs = _f16(raw[..., 2:4].reshape(-1, 2)).reshape(rows, -1), raw[..., 4:]
+    else:
+        m, qs = -8 * d, raw[..., 2:]
+    return pack_q4(d, m, torch.cat((qs & 0x0F, qs >> 4), dim=-1))
+
+
+_BLOCK_LAYOUTS = {
+    GGMLQuantizationType.Q4_0: (18, Q4),
+    GGMLQuantizationType.Q4_1: (20, Q4),
+    GGMLQuantizationType.Q8_0: (34, Q8),
+}

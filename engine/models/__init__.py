@@ -9,6 +9,7 @@ from engine.config import ModelConfig
 from engine.models.base import CausalLM
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.quant import quantize_modules
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
@@ -26,9 +27,13 @@ def register_model(architecture: str, cls: type[CausalLM]) -> None:
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    config: ModelConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights: str = "fp32",
 ) -> CausalLM:
-    """Allocate the model for ``config.architecture`` on ``device`` in ``dtype``.
+    """Allocate the model for ``config.architecture`` on ``device`` in ``dtype``, its
+    matrices in ``weights`` (``engine.models.quant.CPU_WEIGHTS``: int8/int4 on the CPU).
 
     Parameters are uninitialised (no random init is paid for); fill them with
     ``load_weights`` or ``init_random_weights``. The RoPE table is ready. The model is
@@ -44,7 +49,9 @@ def build_model(
         for module in model.modules():
             if getattr(module, "keeps_float32", False):
                 module.float()
-    model = model.to_empty(device=device)
+        model = quantize_modules(model, weights)
+    # like ``to_empty``, whose ``empty_like`` on meta tensors imports sympy (3.6 s of start-up)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for module in model.modules():
         if hasattr(module, "reset_cache"):
             module.reset_cache()

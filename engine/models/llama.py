@@ -11,7 +11,10 @@ The residual stream is carried beside the hidden states (``residual + x`` is add
 the next norm), so on CUDA, with TileLang present, the add and the RMSNorm run as one
 kernel and RoPE rotates q and k in place in one kernel (``kernels.norm_rope_cache``): at
 decode, where a step is a few hundred small launches around the weight reads, that halves
-the launches. Elsewhere the same arithmetic runs as torch ops.
+the launches. On the CPU in float32 the C kernels of ``kernels.cpu`` do the same
+(``engine.cpu_kernels``), and the MLP of a quantized model folds SwiGLU into the down
+projection's kernel (``engine.models.quant``). Elsewhere the same arithmetic runs as
+torch ops.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from torch import nn
 
 from engine.attention.base import ForwardContext
 from engine.config import ModelConfig, RopeScaling
+from engine.cpu_kernels import cpu_kernels_for
 from engine.models.base import CausalLM
+from engine.models.quant import QuantEmbedding, QuantLinear, QuantWeight, as_float, quant_slots
 from kernels import ATTENTION_DTYPES, tilelang_available
 from kvstore.layout import KVCacheLayout
 
@@ -95,6 +100,12 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        cpu = cpu_kernels_for(x)
+        if cpu is not None and x.is_contiguous() and self.weight.dtype == torch.float32:
+            if residual is None:
+                return cpu.rms_norm(x, self.weight, self.eps)
+            if residual.is_contiguous():
+                return cpu.rms_norm(x, self.weight, self.eps, residual), residual
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
@@ -156,11 +167,17 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T] (on CUDA in place)."""
+        """Rotate q [T, Hq, D] and k [T, Hkv, D] at ``positions`` [T] (in place where a
+        kernel does it: CUDA, and float32 on the CPU)."""
         if fused_kernels_for(q) and positions.dtype == torch.int64:
             from kernels.norm_rope_cache import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin)
+        cpu = cpu_kernels_for(q)
+        if cpu is not None and k.dtype == torch.float32 and positions.dtype == torch.int64:
+            cpu.rope(q, positions, self.cos_sin)
+            cpu.rope(k, positions, self.cos_sin)
+            return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -213,6 +230,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if isinstance(self.down_proj, QuantLinear):
+            return self.down_proj.forward_swiglu(gate_up)
         if fused_kernels_for(gate_up) and gate_up.is_contiguous():
             from kernels.activation import silu_and_mul
 
@@ -310,8 +329,12 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        embed = self.model.embed_tokens
+        if isinstance(embed, QuantEmbedding):
+            return embed.project(hidden)
+        return linear(hidden, embed.weight).float()
 
     def kv_layout(self, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
         cfg = self.config
@@ -341,11 +364,18 @@ class LlamaForCausalLM(CausalLM):
         return slice(start, start + sizes[index])
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (any dtype/device; converted). Raises ``KeyError`` for a
-        name the model does not have and ``ValueError`` if a parameter stays unset.
-        ``lm_head.weight`` is ignored when embeddings are tied."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+        """Copy HF-named tensors in (any dtype/device; converted), or quantized blocks
+        (``QuantWeight``: into a quantized module as they are, dequantized elsewhere).
+        Raises ``KeyError`` for a name the model does not have and ``ValueError`` if a
+        weight stays unset. ``lm_head.weight`` is ignored when embeddings are tied."""
+        quant = quant_slots(self)
         params = dict(self.named_parameters())
+        sizes = {n: p.numel() for n, p in params.items()}
+        sizes.update({n: m.out_features * m.in_features for n, m in quant.items()
+                      if isinstance(m, QuantLinear)})  # fmt: skip
+        sizes.update({n: m.num_embeddings * m.embedding_dim for n, m in quant.items()
+                      if isinstance(m, QuantEmbedding)})  # fmt: skip
         filled: dict[str, int] = {}
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
@@ -353,18 +383,26 @@ class LlamaForCausalLM(CausalLM):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue
             if name == "model.rotary_emb.freq_factors":
-                self.model.rotary_emb.freq_factors = tensor.float().clone()
+                self.model.rotary_emb.freq_factors = as_float(tensor).float().clone()
                 self.model.rotary_emb.reset_cache()
                 continue
             target, rows = self._shard(name)
+            if target in quant:
+                try:
+                    done = quant[target].load(tensor, rows)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+                filled[target] = filled.get(target, 0) + done
+                continue
             if target not in params:
                 raise KeyError(f"unexpected weight {name!r}")
+            tensor = as_float(tensor)
             dest = params[target].data if rows is None else params[target].data[rows]
             if dest.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + dest.numel()
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.numel()]
+        missing = [n for n, size in sizes.items() if filled.get(n, 0) != size]
         if missing:
             more = "..." if len(missing) > 8 else ""
             raise ValueError(f"weights not loaded: {missing[:8]}{more}")

@@ -21,12 +21,14 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
-import torch
 
-from kvstore.layout import KVCache, KVCacheLayout
+if TYPE_CHECKING:  # the messages here travel through frontends, which run without torch
+    import torch
+
+    from kvstore.layout import KVCache, KVCacheLayout
 
 
 class TransferError(RuntimeError):
@@ -165,6 +167,8 @@ class KVTransport(ABC):
         self, layout: KVCacheLayout, num_blocks: int, device: torch.device | str
     ) -> KVCache:
         """The receiving side's cache (plain memory unless the backend needs otherwise)."""
+        from kvstore.layout import KVCache
+
         return KVCache(layout, num_blocks, device)
 
     @abstractmethod

@@ -26,6 +26,7 @@ NEW_TOKENS = 64
 @pytest.fixture(scope="module")
 def llm():
     config = EngineConfig(
+        cpu_weights="fp32",  # the parity path: transformers' float32 weights
         cache=CacheConfig(block_size=16, memory_gb=0.25),
         scheduler=SchedulerConfig(max_num_batched_tokens=512),
     )

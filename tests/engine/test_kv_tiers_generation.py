@@ -19,7 +19,7 @@ TEXT = "The lighthouse keeper wrote down the passing ships, the wind and the tid
 
 
 def llm(**cache) -> LLM:
-    return LLM(EngineConfig(cache=CacheConfig(block_size=16, **cache)))
+    return LLM(EngineConfig(cpu_weights="fp32", cache=CacheConfig(block_size=16, **cache)))
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def reference():
-    config = EngineConfig(model="default", num_threads=1)
+    config = EngineConfig(model="default", num_threads=1, cpu_weights="fp32")
     client = EngineClient(config)
     await client.start()
     prompts = _prompts(49152)
@@ -98,7 +98,7 @@ async def reference():
 @pytest.mark.parametrize(("transport", "local"), [("shm", 0), ("tcp", 16)])
 async def test_greedy_outputs_match_the_aggregated_engine(reference, transport, local):
     prompts, expected = reference
-    config = EngineConfig(model="default", num_threads=1)
+    config = EngineConfig(model="default", num_threads=1, cpu_weights="fp32")
     transfer = TransferConfig(transport, local_prefill_tokens=local)
     client = DisaggClient(config, PDConfig(transfer=transfer))
     await client.start()
