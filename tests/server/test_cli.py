@@ -9,7 +9,7 @@ import socket
 import pytest
 import uvicorn
 
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from server import serve
 from server.cli import SUBCOMMANDS, build_parser
 
@@ -21,8 +21,15 @@ def parse(*argv: str):
 def test_defaults_come_from_the_config_dataclasses(monkeypatch, tmp_path):
     monkeypatch.setenv("FERRY_KV_DIR", str(tmp_path))
     args = parse()
-    tiers = CacheConfig(host_memory_gb=4.0, kv_dir=str(tmp_path))  # the tiers are serve's
-    assert serve.engine_config(args) == EngineConfig(model="default", cache=tiers)
+    # serve's own: the tiers (the host tier a share of the memory available now) and, on
+    # the CPU, a context of CPU_MAX_MODEL_LEN
+    tiers = CacheConfig(host_memory_gb=serve.host_tier_gb(args), kv_dir=str(tmp_path))
+    scheduler = SchedulerConfig(max_model_len=serve.CPU_MAX_MODEL_LEN)
+    expected = EngineConfig(model="default", cache=tiers, scheduler=scheduler)
+    got = serve.engine_config(args)
+    assert got.replace(cache=dataclasses.replace(got.cache, host_memory_gb=0.0)) == (
+        expected.replace(cache=dataclasses.replace(expected.cache, host_memory_gb=0.0)))
+    assert 0 < got.cache.host_memory_gb <= 4.0
     config = serve.server_config(args)
     assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
 
@@ -86,7 +93,7 @@ def test_kv_tier_flags(monkeypatch, tmp_path):
     assert (cache.file_ttl_hours, cache.file_capacity_gb) == (2.0, 0.5)
     cache = serve.engine_config(parse("--kv-tiers", "none", "--host-kv-cache-gb", "1")).cache
     assert (cache.host_memory_gb, cache.kv_dir) == (0.0, "")
-    assert serve.engine_config(parse("--kv-tiers", "host")).cache.host_memory_gb == 4.0
+    assert serve.engine_config(parse("--kv-tiers", "host")).cache.host_memory_gb > 0
     assert serve.engine_config(parse()).cache.file_mode == 0o600  # the owner only
     for text in ("640", "0640", "0o640"):
         assert serve.engine_config(parse("--kv-file-mode", text)).cache.file_mode == 0o640
