@@ -31,6 +31,8 @@ from bench.common import machine_info, median_time
 from kvstore.layout import KVCache, KVCacheLayout
 from kvstore.transport import KVEndpoint, get_transport
 
+SECRET = "kv-test-secret"  # the cluster secret both ends prove
+
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT = KVCacheLayout.for_attention(30, 3, 64, 16, torch.float32)
 NUM_BLOCKS = 128  # 90 MiB per cache
@@ -39,10 +41,11 @@ _RECEIVER = """
 import sys, msgspec, torch
 from bench.kv_transfer import LAYOUT, NUM_BLOCKS
 from kvstore.transport import get_transport
+SECRET = "kv-test-secret"
 device = sys.argv[2]
 if device.startswith("cuda"):
     torch.cuda.set_device(device)
-t = get_transport(sys.argv[1])
+t = get_transport(sys.argv[1], secret=SECRET)
 rx = t.receiver(t.allocate_cache(LAYOUT, NUM_BLOCKS, device))
 rx.expect("bench", list(range(1, NUM_BLOCKS)))
 print(msgspec.json.encode(rx.endpoint).decode(), flush=True)
@@ -120,7 +123,7 @@ def backend_gbps(name: str, sizes: list[int], repeats: int, device: str = "cpu")
             torch.cuda.set_device(device)
         src = KVCache(LAYOUT, NUM_BLOCKS, device)
         src.storage.normal_()
-        sender = get_transport(name).sender(src)
+        sender = get_transport(name, secret=SECRET).sender(src)
         rng = np.random.default_rng(0)
         out = {}
         for blocks in sizes:

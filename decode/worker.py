@@ -39,9 +39,9 @@ class DecodeWorker(WorkerRole):
     role = "decode"
     codec = CODEC
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, secret: str) -> None:
         transfer = config.transfer
-        backend = get_transport(transfer.transport)
+        backend = get_transport(transfer.transport, secret=secret)
         self.core = EngineCore(config.engine, cache_factory=backend.allocate_cache,
                                scheduler_cls=DecodeScheduler)  # fmt: skip
         self.sched: DecodeScheduler = self.core.scheduler  # type: ignore[assignment]
@@ -92,6 +92,10 @@ class DecodeWorker(WorkerRole):
     def _kv_ready(self, first: RequestOutput) -> None:
         rid = first.request_id
         if rid not in self.sched.incoming:
+            return
+        if first.finish_reason is None and not self.receiver.landed(rid):
+            # all of the prompt's KV should be here; what is missing would be read as KV
+            self._kv_failed(rid, "told the KV was ready, but not all of it has landed")
             return
         self._settle(rid)
         if rid in self.cancelled:

@@ -35,6 +35,7 @@ from engine.messages import (
 from engine.sampling_params import SamplingParams
 from engine.worker.config import WorkerConfig
 from engine.worker.handle import WorkerHandle
+from kvstore import auth
 
 log = logging.getLogger("ferry.client")
 
@@ -87,10 +88,12 @@ class ServingClient(Protocol):
 
 
 class EngineClient:
-    """The aggregated topology: one engine process does prefill and decode."""
+    """The aggregated topology: one engine process does prefill and decode. ``secret``:
+    the cluster secret the engine process proves on its channel (default: a fresh one)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, secret: str | None = None) -> None:
         self.config = config
+        self._secret = secret or auth.make_secret()
         self.model_name = ""
         self.max_model_len = 0
         self.block_size = config.cache.block_size
@@ -99,7 +102,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
-        self._engine = WorkerHandle("engine", "engine", ENGINE, self._ctx, b"frontend")
+        self._engine = WorkerHandle("engine", "engine", ENGINE, self._ctx, b"frontend",
+                                    self._secret)  # fmt: skip
         self._stats = EngineStats()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -107,7 +111,7 @@ class EngineClient:
     async def start(self, timeout: float = 900.0) -> None:
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.config.model))
         ready = await self._engine.spawn("engine.core", WorkerConfig("engine", self.config),
-                                         self._tmp, timeout)  # fmt: skip
+                                         self._tmp, timeout, self._secret)  # fmt: skip
         self.tokenizer = await tokenizer
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len

@@ -236,7 +236,7 @@ class EngineRole(WorkerRole):
     role = "engine"
     codec = ENGINE
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, secret: str) -> None:
         self.core = EngineCore(config.engine, progress=True)
         self._outbox = Outbox()
 

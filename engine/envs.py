@@ -35,6 +35,10 @@ API_KEY: EnvVar[str | None] = EnvVar("FERRY_API_KEY", str, None, "API key client
 DEBUG_INTEGRITY: EnvVar[bool] = EnvVar(
     "FERRY_DEBUG_INTEGRITY", bool, False, "check KV block bookkeeping whenever the engine idles"
 )
+CLUSTER_SECRET: EnvVar[str | None] = EnvVar(
+    "FERRY_CLUSTER_SECRET", str, None,
+    "the secret every frontend and worker of a deployment proves on the control plane",
+)
 LOG_LEVEL: EnvVar[str] = EnvVar("FERRY_LOG_LEVEL", str, "info", "log level of ferry's processes")
 KV_DIR: EnvVar[str | None] = EnvVar(
     "FERRY_KV_DIR", str, None, "default of ferry serve --kv-dir (else ~/.cache/ferry/kv)"
@@ -46,4 +50,4 @@ def user_cache_dir() -> str:
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
 
 
-REGISTRY = {v.name: v for v in (API_KEY, DEBUG_INTEGRITY, LOG_LEVEL, KV_DIR)}
+REGISTRY = {v.name: v for v in (API_KEY, CLUSTER_SECRET, DEBUG_INTEGRITY, LOG_LEVEL, KV_DIR)}

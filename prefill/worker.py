@@ -63,11 +63,12 @@ class PrefillWorker(WorkerRole):
     role = "prefill"
     codec = CODEC
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, secret: str) -> None:
         self.core = EngineCore(config.engine, scheduler_cls=PrefillScheduler)
         self.sched: PrefillScheduler = self.core.scheduler  # type: ignore[assignment]
         self.block_size = self.core.config.cache.block_size
-        self.sender = get_transport(config.transfer.transport).sender(self.core.kv_cache)
+        transport = get_transport(config.transfer.transport, secret=secret)
+        self.sender = transport.sender(self.core.kv_cache)
         self.timeout = config.transfer.timeout_s
         self.shipments: dict[str, _Shipment] = {}
         self.tokens_per_s = 0.0

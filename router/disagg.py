@@ -45,6 +45,7 @@ from engine.config import EngineConfig
 from engine.loader import load_tokenizer, model_name
 from engine.messages import Abort, EngineRequest, EngineStats, Outputs, RequestOutput
 from engine.sampling_params import SamplingParams
+from kvstore import auth
 from kvstore.hashing import BlockHash
 from prefill.messages import PrefillDone, PrefillFailed, PrefillRequest
 from router.config import PDConfig
@@ -98,7 +99,10 @@ class _Transfer:
 
 
 class DisaggClient:
-    def __init__(self, config: EngineConfig, pd: PDConfig) -> None:
+    """``secret``: the cluster secret every worker proves (default: a fresh one, which only
+    the workers this client spawns learn)."""
+
+    def __init__(self, config: EngineConfig, pd: PDConfig, secret: str | None = None) -> None:
         if pd.transfer.transport == "nccl" and not config.device.startswith("cuda"):
             raise ValueError("the nccl KV transport needs GPU workers (--device cuda)")
         self.config = config
@@ -107,8 +111,8 @@ class DisaggClient:
         self.router = Router(pd.policy, config.cache.block_size)
         self.router_metrics = self.router.metrics
         self.index = self.router.index
-        self.pools = WorkerPools(config, pd, self.router, self.transfers, self._received,
-                                 self._died)  # fmt: skip
+        self.pools = WorkerPools(config, pd, secret or auth.make_secret(), self.router,
+                                 self.transfers, self._received, self._died)  # fmt: skip
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id

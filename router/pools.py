@@ -46,16 +46,18 @@ OnDeath = Callable[[WorkerProcess], None]
 
 class WorkerPools:
     def __init__(
-        self, config: EngineConfig, pd: PDConfig, router: Router, transfers: TransferMetrics,
-        on_message: OnMessage, on_death: OnDeath,
+        self, config: EngineConfig, pd: PDConfig, secret: str, router: Router,
+        transfers: TransferMetrics, on_message: OnMessage, on_death: OnDeath,
     ) -> None:  # fmt: skip
         self.config = config
         self.pd = pd
+        self._secret = secret
         self.router = router
         self.transfers = transfers
         self._on_message = on_message
         self._on_death = on_death
         self.model_name = ""
+        self.facts_set = False  # model facts come from the first worker taken in
         self.max_model_len = 0
         self.block_size = config.cache.block_size
         self.num_blocks = 0
@@ -95,7 +97,8 @@ class WorkerPools:
             config = WorkerConfig(role, self.config.replace(device=device), pd.transfer,
                                   name=name, redis_url=pd.redis_url)  # fmt: skip
             worker = self._handle(name, role)
-            started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout))
+            started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout,
+                                        self._secret))  # fmt: skip
             (self.prefill if role == "prefill" else self.decode).append(worker)
         await asyncio.gather(*started)
         for worker in self.workers:
@@ -106,7 +109,8 @@ class WorkerPools:
             self._directory_task = asyncio.create_task(self.directory.run())
 
     def _handle(self, name: str, role: str) -> WorkerProcess:
-        return WorkerProcess(name, role, ROLES[role][1], self._ctx, self.frontend_id.encode())
+        return WorkerProcess(name, role, ROLES[role][1], self._ctx, self.frontend_id.encode(),
+                             self._secret)  # fmt: skip
 
     async def add_worker(self, name: str, role: str, address: str, timeout: float = 900.0):
         """Attach a worker started elsewhere (``ferry worker``) listening on ``address``;
@@ -121,6 +125,9 @@ class WorkerPools:
         self._joining.add(name)
         try:
             await worker.connect(address, timeout)
+            refusal = self._refusal(worker)
+            if refusal is not None:
+                raise ValueError(refusal)
         except BaseException:
             await worker.shutdown()
             raise
@@ -155,15 +162,28 @@ class WorkerPools:
     def _enlist(self, worker: WorkerProcess) -> None:
         """Take a ready worker into rotation: the first one sets the model facts."""
         ready = worker.ready
-        if self.max_model_len == 0:
+        if not self.facts_set:
             self.block_size = self.router.block_size = ready.block_size
             self.router.hash_extra = ready.hash_extra
             self.model_name = ready.model_name
-        elif (ready.block_size, ready.hash_extra) != (self.block_size, self.router.hash_extra):
-            worker.leave(f"{worker.name} serves another model or block size")
-        self.max_model_len = min(w.ready.max_model_len for w in self.workers if w.ready)
-        self.num_blocks = sum(w.ready.num_blocks for w in self.workers if w.ready)
+            self.facts_set = True
         worker.run(self._received, self._died)
+        self._sized()
+
+    def _refusal(self, worker: WorkerProcess) -> str | None:
+        """Why a ready worker cannot join the workers in rotation, if it cannot."""
+        ready = worker.ready
+        if self.facts_set and (ready.block_size, ready.hash_extra) != (
+            self.block_size, self.router.hash_extra
+        ):  # fmt: skip
+            return f"{worker.name} serves another model or block size"
+        return None
+
+    def _sized(self) -> None:
+        """Context length and block count from the workers in rotation."""
+        live = [w for w in self.workers if w.alive and w.ready is not None]
+        self.max_model_len = min((w.ready.max_model_len for w in live), default=0)
+        self.num_blocks = sum(w.ready.num_blocks for w in live)
 
     def _received(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
         stats = stats_of(msg)
@@ -177,6 +197,7 @@ class WorkerPools:
 
     def _died(self, worker: WorkerProcess) -> None:
         self.router.index.remove_worker(worker.name)
+        self._sized()
         self._on_death(worker)
 
     async def shutdown(self) -> None:
@@ -205,9 +226,9 @@ class WorkerPools:
 
     @property
     def stats(self) -> EngineStats:
-        """The workers' latest stats, summed (what the single-engine metrics show)."""
+        """The live workers' latest stats, summed (what the single-engine metrics show)."""
         total: dict[str, int] = {}
-        for s in (w.stats for w in self.workers if w.stats is not None):
+        for s in (w.stats for w in self.workers if w.alive and w.stats is not None):
             for k, v in msgspec.structs.asdict(s).items():
                 total[k] = total.get(k, 0) + v
         return EngineStats(**total)

@@ -9,10 +9,10 @@
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
 - ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
   body lists each worker and whether it is alive), ``GET /metrics``,
-- ``GET /openapi.json``: the public routes with their request bodies (``server.openapi``),
-- ``POST /internal/workers`` (with worker pools): a worker started on its own (``ferry
-  worker --frontend URL``) announces ``{name, role, address}``; the frontend connects to
-  it and takes it into rotation once it is ready (202 at once).
+- ``GET /openapi.json``: the public routes with their request bodies (``server.openapi``).
+
+Workers do not come here: the control plane has a listener of its own
+(``server.control``).
 
 A non-streaming request whose client disconnects is cancelled, which aborts its engine
 requests; a streaming one is cancelled by Starlette when the client goes away.
@@ -26,14 +26,14 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.client import ServingClient, WorkerRefused
+from engine.client import ServingClient
 from server import errors, openapi, responses
 from server.body import parse_body as parse_json_body
 from server.config import ServerConfig
@@ -57,7 +57,6 @@ REQUEST_BODIES: dict[str, type[BaseModel]] = {
 _ENDPOINTS = {
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
     "/metrics",
-    "/internal/workers",
 }  # fmt: skip
 
 
@@ -126,17 +125,6 @@ def _add_routes(app: FastAPI) -> None:
             raise errors.model_not_found(model)
         return _json(card)
 
-    @app.post("/internal/workers")
-    async def join(request: Request) -> Response:
-        client = request.app.state.client
-        body = await parse_body(request, WorkerAnnouncement)
-        try:
-            client.join(body.name, body.role, body.address).add_done_callback(_log_join)
-        except WorkerRefused as exc:
-            raise errors.invalid_request(str(exc)) from exc
-        return Response(json.dumps({"name": body.name, "status": "connecting"}), 202,
-                        media_type="application/json")  # fmt: skip
-
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
@@ -175,17 +163,6 @@ def _add_routes(app: FastAPI) -> None:
         store.delete(response_id)
         body = {"id": response_id, "object": "response.deleted", "deleted": True}
         return Response(json.dumps(body), media_type="application/json")
-
-
-class WorkerAnnouncement(BaseModel):
-    name: str = Field(min_length=1, max_length=200)
-    role: Literal["prefill", "decode"]
-    address: str = Field(pattern=r"^(tcp|ipc)://.+")
-
-
-def _log_join(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("a worker could not join: %s", task.exception())
 
 
 async def parse_body(request: Request, model: type[M]) -> M:
@@ -239,15 +216,14 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class ApiKeyMiddleware:
-    """Rejects ``/v1/*`` and ``/internal/*`` requests without ``Authorization: Bearer
-    <api_key>`` (401)."""
+    """Rejects ``/v1/*`` requests without ``Authorization: Bearer <api_key>`` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/internal/")):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             headers = dict(scope["headers"])
             sent = headers.get(b"authorization", b"")
             if not secrets.compare_digest(sent, self._expected):

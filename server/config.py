@@ -24,6 +24,8 @@ class ServerConfig:
     the context decides; ``Serving``).
     ``response_store_size`` / ``response_store_ttl_s``: how many stored Responses API
     responses are kept, and for how long, for ``previous_response_id`` and ``GET``.
+    ``internal_host`` / ``internal_port``: the control plane's own listener
+    (``server.control``; port None: the public port + 1, or a free one with port 0).
     """
 
     host: str = "127.0.0.1"
@@ -37,3 +39,11 @@ class ServerConfig:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
     response_store_size: int = 1000
     response_store_ttl_s: float = 3600.0
+    internal_host: str = "127.0.0.1"
+    internal_port: int | None = None
+
+    @property
+    def control_port(self) -> int:
+        if self.internal_port is not None:
+            return self.internal_port
+        return self.port + 1 if self.port else 0

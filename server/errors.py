@@ -74,12 +74,10 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-def unauthorized() -> APIError:
-    return APIError(
-        "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",
-        401,
-        code="invalid_api_key",
-    )
+def unauthorized(
+    message: str = "Incorrect or missing API key; send it as 'Authorization: Bearer <key>'.",
+) -> APIError:
+    return APIError(message, 401, code="invalid_api_key")
 
 
 def engine_unavailable(reason: str) -> APIError:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import socket
 from typing import Any
 
 from engine import envs
@@ -45,6 +47,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
     add_api_flags(p)
+    control = p.add_argument_group("control plane (workers, not clients, use it)")
+    control.add_argument("--internal-host", default=ServerConfig.internal_host,
+                         help="address of the listener workers announce themselves to")
+    control.add_argument("--internal-port", type=int,
+                         help="its port (default: --port + 1; a free one with --port 0)")
+    add_secret_flag(control)
     topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
     topo.add_argument("--aggregated", action="store_true",
                       help="one engine process does prefill and decode (no KV transfer)")
@@ -77,6 +85,28 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-store-ttl", type=_at_least(0.0),
                    default=ServerConfig.response_store_ttl_s, metavar="S",
                    help="Responses API: seconds a stored response is kept")  # fmt: skip
+
+
+def add_secret_flag(group: Any) -> None:
+    group.add_argument("--cluster-secret", metavar="SECRET",
+                       help="the secret every frontend and worker of a deployment proves to "
+                            f"the others (or ${envs.CLUSTER_SECRET.name}; default: one made "
+                            "up for the workers this frontend starts)")
+
+
+def cluster_secret(args: argparse.Namespace, needs_shared: str | None = None) -> str:
+    """``--cluster-secret`` or ``$FERRY_CLUSTER_SECRET``; else, unless ``needs_shared``
+    says why other processes must know it, a fresh random one."""
+    from kvstore.auth import make_secret
+
+    secret = args.cluster_secret or envs.CLUSTER_SECRET.get()
+    if secret:
+        return secret
+    if needs_shared:
+        raise SystemExit(f"ferry: {needs_shared} needs a cluster secret that every frontend "
+                         f"and worker shares: give each --cluster-secret or "
+                         f"${envs.CLUSTER_SECRET.name}")  # fmt: skip
+    return make_secret()
 
 
 def add_transfer_flags(group: Any) -> None:
@@ -307,6 +337,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_tokens_default=args.max_tokens_default,
         response_store_size=args.response_store_size,
         response_store_ttl_s=args.response_store_ttl,
+        internal_host=args.internal_host,
+        internal_port=args.internal_port,
     )
 
 
@@ -315,41 +347,89 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return asyncio.run(serve(config, engine_config(args), pd_config(args)))
+    pd = pd_config(args)
+    shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None
+    secret = cluster_secret(args, shared)
+    try:
+        listeners = _bind(config)
+    except OSError as exc:
+        raise SystemExit(f"ferry: cannot listen: {exc}") from None
+    return asyncio.run(serve(config, engine_config(args), pd, secret, listeners))
 
 
-async def serve(config: ServerConfig, engine: EngineConfig, pd: PDConfig | None = None) -> int:
+def _bind(config: ServerConfig) -> tuple[socket.socket, socket.socket]:
+    """The public and the control-plane sockets, bound before any model loads (so a taken
+    port fails at once)."""
+    public = socket.create_server((config.host, config.port), reuse_port=False)
+    try:
+        control = socket.create_server((config.internal_host, config.control_port))
+    except OSError:
+        public.close()
+        raise
+    return public, control
+
+
+def _control_server(app: Any, config: ServerConfig) -> Any:
+    """The control-plane listener beside the public one; its signals are the public
+    server's (it stops when that one does)."""
+    import uvicorn
+
+    class ControlServer(uvicorn.Server):
+        def capture_signals(self):  # the public server handles SIGINT/SIGTERM
+            return contextlib.nullcontext()
+
+    return ControlServer(
+        uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="off")
+    )
+
+
+async def serve(
+    config: ServerConfig, engine: EngineConfig, pd: PDConfig | None, secret: str,
+    listeners: tuple[socket.socket, socket.socket] | None = None,
+) -> int:  # fmt: skip
     """Run until SIGINT/SIGTERM; returns the process exit code. ``pd``: prefill and decode
-    worker pools; None: one engine process."""
+    worker pools; None: one engine process. ``secret``: the cluster secret. ``listeners``:
+    the public and control sockets (``_bind``; bound here if not given). The control plane
+    starts listening once the engines are ready."""
     import uvicorn
 
     from engine.client import EngineClient
     from router.disagg import DisaggClient
     from server.app import create_app
+    from server.control import create_control_app
 
-    client = EngineClient(engine) if pd is None else DisaggClient(engine, pd)
-    app = create_app(config, client)
+    public_sock, control_sock = listeners or _bind(config)
+    client = EngineClient(engine, secret) if pd is None else DisaggClient(engine, pd, secret)
     server = uvicorn.Server(
         uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
+            create_app(config, client),
             log_level=config.log_level,
             access_log=False,
             timeout_graceful_shutdown=config.graceful_shutdown_s,
         )
     )
-    announce = asyncio.create_task(_announce(server, client, config))
+    control = _control_server(create_control_app(client, secret), config)
+    controlling: list[asyncio.Task] = []
+
+    async def when_ready() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        controlling.append(asyncio.create_task(control.serve(sockets=[control_sock])))
+        _announce(server, client, config, control_sock)
+
+    starter = asyncio.create_task(when_ready())
     try:
-        await server.serve()
+        await server.serve(sockets=[public_sock])
     finally:
-        announce.cancel()
+        starter.cancel()
+        control.should_exit = True
+        await asyncio.gather(starter, *controlling, return_exceptions=True)
     return 0 if server.started else 1
 
 
-async def _announce(server: Any, client: Any, config: ServerConfig) -> None:
-    while not server.started:
-        await asyncio.sleep(0.05)
+def _announce(server: Any, client: Any, config: ServerConfig, control: socket.socket) -> None:
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     name = config.served_model_name or client.model_name
     print(f"ferry: serving {name} on http://{host}:{port}", flush=True)
+    chost, cport = control.getsockname()[:2]
+    print(f"ferry: control plane on http://{chost}:{cport}", flush=True)

@@ -1,13 +1,15 @@
-"""``ferry worker``: one prefill or decode worker, started on its own, that joins frontends.
+"""``ferry worker``: one prefill or decode worker, started on its own, that joins
+frontends.
 
 The worker binds its channel (``--listen``, a ZMQ address frontends can reach), loads
-the model, and announces itself: to each ``--frontend`` URL (``POST /internal/workers``,
-retried until it is accepted) and, with ``--redis``, in the worker registry there, where
-every frontend on that Redis finds it (``kvstore.registry``). Frontends then connect and
-route requests to it like to the workers they started themselves. SIGTERM or SIGINT
-drains it: it tells its frontends to send nothing new, finishes what it has, and exits.
-Workers exchange KV directly, so every worker of a deployment uses the same
-``--kv-transport`` (``shm`` only on one host; ``tcp`` across hosts).
+the model, and announces itself: to each ``--frontend`` URL (a frontend's control plane,
+``POST /internal/workers``, retried until it is accepted) and, with ``--redis``, in the
+worker registry there, where every frontend on that Redis finds it
+(``kvstore.registry``). Frontends then connect and route requests to it like to the
+workers they started themselves. SIGTERM or SIGINT drains it: it tells its frontends to
+send nothing new, finishes what it has, and exits. Workers exchange KV directly, so
+every worker of a deployment uses the same ``--kv-transport`` (``shm`` only on one host;
+``tcp`` across hosts).
 """
 
 from __future__ import annotations
@@ -39,19 +41,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="ZMQ address to bind for frontends; port 0 picks a free one")
     p.add_argument("--name", help="unique worker name (default: <role>-<host>-<pid>)")
     p.add_argument("--frontend", action="append", default=[], metavar="URL",
-                   help="a ferry serve to join (repeatable)")
+                   help="the control plane of a ferry serve to join, as it prints it "
+                        "(ferry: control plane on URL; repeatable)")
     p.add_argument("--redis", metavar="URL",
                    help="register in this Redis and publish KV events there")
-    p.add_argument("--api-key", help=f"the frontends' API key (or ${envs.API_KEY.name})")
+    serve.add_secret_flag(p)
     serve.add_engine_flags(p)
     serve.add_transfer_flags(p)
     return p  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    import zmq
+
     from engine.worker.channel import WorkerChannel
     from engine.worker.config import WorkerConfig
     from engine.worker.shell import serve as serve_role
+    from kvstore.auth import bearer_token
 
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as role
@@ -63,28 +69,41 @@ def run(args: argparse.Namespace) -> int:
     if not args.frontend and not args.redis:
         log.warning("no --frontend and no --redis: no frontend will find this worker")
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
-    channel = WorkerChannel(args.listen, role.codec)
+    secret = serve.cluster_secret(args, "a worker started on its own")
+    try:
+        channel = WorkerChannel(args.listen, role.codec, secret)
+    except zmq.ZMQError as exc:
+        raise SystemExit(f"ferry: cannot listen on {args.listen}: {exc}") from None
+    if _on_every_interface(channel.address):
+        log.warning("listening on every interface (%s): any host that reaches it can try; "
+                    "only frontends that prove the cluster secret are heard, and nothing on "
+                    "the channel is encrypted", channel.address)  # fmt: skip
     config = WorkerConfig(args.role, serve.engine_config(args), serve.transfer_config(args),
                           listen=channel.address, name=name, redis_url=args.redis or "")
     drain = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: drain.set())
     announcement = {"name": name, "role": args.role, "address": channel.address}
-    key = args.api_key or envs.API_KEY.get()
+    token = bearer_token(secret)
     for url in args.frontend:
-        threading.Thread(target=announce, args=(url, announcement, key, drain),
+        threading.Thread(target=announce, args=(url, announcement, token, drain),
                          daemon=True).start()  # fmt: skip
     print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
-    serve_role(role, config, channel, drain)
+    serve_role(role, config, channel, secret, drain)
     return 0
 
 
-def announce(url: str, announcement: dict, api_key: str | None, stop: threading.Event) -> None:
-    """POST the worker to a frontend until it accepts (it may not be up yet)."""
+def _on_every_interface(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("0.0.0.0", "::", "*")
+
+
+def announce(url: str, announcement: dict, token: str, stop: threading.Event) -> None:
+    """POST the worker to a frontend's control plane until it accepts (it may not be up
+    yet); ``url`` is what the frontend printed as its control plane."""
     request = urllib.request.Request(
         url.rstrip("/") + "/internal/workers", json.dumps(announcement).encode(),
-        {"Content-Type": "application/json",
-         **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+        {"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
     )  # fmt: skip
     while not stop.is_set():
         try:

@@ -1,14 +1,17 @@
 """A worker's end of its channel to any number of frontends.
 
 A ROUTER socket the worker binds; each frontend connects a DEALER under its own identity
-and opens with an empty message (its hello), answered with the worker's ready message
-once there is one. Replies about a request go to the frontend that opened it (``claim``,
-until ``release``); stats go to every frontend, and their KV events also to the event
-sink (the Redis stream) when there is one.
+and opens with the cluster-secret handshake (``HANDSHAKE``, ``kvstore.auth``), after
+which it gets the worker's ready message once there is one. Only frontends that proved
+the secret are heard or sent anything; other peers' messages are dropped. Replies about
+a request go to the frontend that opened it (``claim``, until ``release``); stats go to
+every frontend, and their KV events also to the event sink (the Redis stream) when
+there is one.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 
@@ -16,12 +19,27 @@ import msgspec
 import zmq
 
 from engine.messages import Codec, Outputs, RequestOutput, WorkerStats
+from kvstore import auth
 from kvstore.events import KVEvent
+
+log = logging.getLogger("ferry.worker")
+
+# The handshake's three frames, each a kind byte then its fields:
+#   frontend → worker  HELLO  nonce_f
+#   worker → frontend  CHALLENGE  nonce_w + proof_w(nonce_f)
+#   frontend → worker  PROOF  proof_f(nonce_w)
+# The link the proofs are bound to is the frontend's identity.
+HELLO, CHALLENGE, PROOF = b"H", b"C", b"P"
+WORKER, FRONTEND = b"worker", b"frontend"
+HANDSHAKE = (HELLO, CHALLENGE, PROOF)
 
 
 class WorkerChannel:
-    def __init__(self, address: str, codec: Codec) -> None:
+    def __init__(self, address: str, codec: Codec, secret: str | bytes) -> None:
         self.codec = codec
+        self._key = auth.key_of(secret)
+        self._nonces: dict[bytes, tuple[bytes, bytes]] = {}  # identity → (theirs, mine)
+        self._refused = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not drops
@@ -46,14 +64,40 @@ class WorkerChannel:
         return bool(self._sock.poll(timeout_ms))
 
     def _recv(self) -> tuple[bytes, bytes] | None:
-        """The next (frontend, message), or None after handling a hello."""
-        frontend, payload = self._sock.recv_multipart()
-        if payload:
-            return frontend, payload
-        if frontend not in self.frontends:
-            self.frontends.append(frontend)
-        if self._hello is not None:
-            self._send(frontend, self._hello)
+        """The next (frontend, message) from a frontend that proved the secret, or None
+        after a handshake frame or a message from anyone else."""
+        frames = self._sock.recv_multipart()
+        if len(frames) != 2:
+            return self._refuse(frames[0], "a malformed message")
+        peer, payload = frames
+        kind = payload[:1]
+        if kind == HELLO and len(payload) == 1 + auth.NONCE_BYTES:
+            if peer in self.frontends:  # a reconnection: it proves itself again
+                self.frontends.remove(peer)
+            mine = auth.nonce()
+            self._nonces[peer] = (payload[1:], mine)
+            answer = auth.proof(self._key, WORKER, peer, mine, payload[1:])
+            self._send(peer, CHALLENGE + mine + answer)
+            return None
+        if peer in self._nonces and kind == PROOF:
+            theirs, mine = self._nonces.pop(peer)
+            try:
+                auth.check(self._key, FRONTEND, peer, theirs, mine, payload[1:])
+            except auth.AuthError:
+                return self._refuse(peer, "a wrong proof of the cluster secret")
+            self.frontends.append(peer)
+            if self._hello is not None:
+                self._send(peer, self._hello)
+            return None
+        if peer not in self.frontends:
+            return self._refuse(peer, "a message before the handshake")
+        return peer, payload
+
+    def _refuse(self, peer: bytes, what: str) -> None:
+        self._refused += 1
+        if self._refused & (self._refused - 1) == 0:  # the 1st, 2nd, 4th, 8th ...
+            log.warning("dropped %s from a peer that has not proved the cluster secret "
+                        "(%d so far)", what, self._refused)  # fmt: skip
         return None
 
     def pending(self) -> Iterator[tuple[bytes, msgspec.Struct]]:

@@ -1,13 +1,14 @@
 """A worker as a frontend holds it: its channel, its process, its health, its stats.
 
 The channel is a DEALER socket connected to the address the worker binds
-(``engine.worker.channel``); it opens with an empty message (the hello), which the worker
-answers with its ready message. A worker is either spawned by this frontend (``spawn``:
-``python -m <role module>`` on an ``ipc://`` address, dead when the process exits) or
-started elsewhere and attached (``connect``: ``ferry worker``, dead when it has not been
-heard from for ``silence_timeout_s``; workers send stats at least every second). A dead
-worker's ``on_death`` runs once. The aggregated engine's client and the worker pools use
-the same handle.
+(``engine.worker.channel``); it opens with the cluster-secret handshake — each side
+proves it holds the secret (``kvstore.auth``), and a worker that cannot is refused —
+after which the worker sends its ready message. A worker is either spawned by this
+frontend (``spawn``: ``python -m <role module>`` on an ``ipc://`` address, dead when the
+process exits) or started elsewhere and attached (``connect``: ``ferry worker``, dead
+when it has not been heard from for ``silence_timeout_s``; workers send stats at least
+every second). A dead worker's ``on_death`` runs once. The aggregated engine's client
+and the worker pools use the same handle.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from engine import envs
 from engine.messages import (
     Codec,
     EngineStats,
@@ -36,7 +38,9 @@ from engine.messages import (
     WorkerStats,
     stats_of,
 )
+from engine.worker.channel import CHALLENGE, FRONTEND, HELLO, PROOF, WORKER
 from engine.worker.config import WorkerConfig
+from kvstore import auth
 
 log = logging.getLogger("ferry.workers")
 
@@ -47,9 +51,12 @@ class WorkerHandle:
     silence_timeout_s = 5.0
 
     def __init__(
-        self, name: str, role: str, codec: Codec, ctx: zmq.asyncio.Context, identity: bytes
-    ) -> None:
+        self, name: str, role: str, codec: Codec, ctx: zmq.asyncio.Context, identity: bytes,
+        secret: str | bytes,
+    ) -> None:  # fmt: skip
         self.name = name
+        self._key = auth.key_of(secret)
+        self._identity = identity
         self.role = role
         self.address = ""
         self.codec = codec
@@ -79,29 +86,39 @@ class WorkerHandle:
         return self.dead is None and (self.proc is None or self.proc.poll() is None)
 
     async def spawn(
-        self, module: str, config: WorkerConfig, tmpdir: str, timeout: float
+        self, module: str, config: WorkerConfig, tmpdir: str, timeout: float, secret: str
     ) -> WorkerReady:
         """Start ``python -m <module>`` serving ``config`` on an ipc address in ``tmpdir``
-        and wait until it is ready."""
+        (the cluster ``secret`` in its environment, not on its command line) and wait until
+        it is ready."""
         address = f"ipc://{tmpdir}/{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}"
         config = config.replace(listen=address, exit_with_parent=True)
         cmd = [sys.executable, "-m", module, "--config", msgspec.json.encode(config).decode()]
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+            envs.CLUSTER_SECRET.name: secret,
         }
         self.proc = subprocess.Popen(cmd, env=env)
         return await self.connect(address, timeout)
 
     async def connect(self, address: str, timeout: float) -> WorkerReady:
-        """Open the channel to a worker listening on ``address``; wait for its ready."""
+        """Open the channel to a worker listening on ``address``: the handshake, then its
+        ready message. Raises ``auth.AuthError`` if the worker does not prove the secret."""
         self.address = address
         self._sock.connect(address)
-        self._sock.send(b"", zmq.NOBLOCK)
+        mine = auth.nonce()
+        self._sock.send(HELLO + mine, zmq.NOBLOCK)
         deadline = time.monotonic() + timeout
+        proved = False
         while time.monotonic() < deadline:
             if await self._sock.poll(500):
-                msg = self.codec.decode_reply(await self._sock.recv())
+                payload = await self._sock.recv()
+                if not proved:
+                    self._answer(payload, mine)
+                    proved = True
+                    continue
+                msg = self.codec.decode_reply(payload)
                 if isinstance(msg, WorkerReady):
                     self.ready = msg
                     self._heard = time.monotonic()
@@ -111,6 +128,20 @@ class WorkerHandle:
             elif self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.proc.returncode}")
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s")
+
+    def _answer(self, challenge: bytes, mine: bytes) -> None:
+        """Check the worker's proof and send ours."""
+        size = 1 + auth.NONCE_BYTES + auth.PROOF_BYTES
+        if challenge[:1] != CHALLENGE or len(challenge) != size:
+            raise auth.AuthError(f"{self.name} at {self.address} did not open the handshake")
+        theirs, answer = challenge[1 : 1 + auth.NONCE_BYTES], challenge[1 + auth.NONCE_BYTES :]
+        try:
+            auth.check(self._key, WORKER, self._identity, theirs, mine, answer)
+        except auth.AuthError as exc:
+            raise auth.AuthError(f"{self.name} at {self.address}: {exc} (is it given the "
+                                 "same --cluster-secret?)") from None  # fmt: skip
+        reply = auth.proof(self._key, FRONTEND, self._identity, mine, theirs)
+        self._sock.send(PROOF + reply, zmq.NOBLOCK)
 
     def observe(self, stats: WorkerStats) -> None:
         """Take in the worker's latest stats."""

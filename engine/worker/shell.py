@@ -75,8 +75,8 @@ class WorkerRole(ABC):
     message: frontends send nothing new), and the shell returns once ``settled`` (nothing
     running, nothing held for a transfer). ``check_integrity`` runs whenever the role is
     settled, when ``FERRY_DEBUG_INTEGRITY`` is on. ``close`` runs once, after the loop,
-    however it ended. A role that cannot be built (its constructor raises) is reported to
-    the frontends as ``WorkerFailed``.
+    however it ended. A role is built as ``role_cls(config, secret)``; one that cannot be
+    built (its constructor raises) is reported to the frontends as ``WorkerFailed``.
     """
 
     role: ClassVar[str]
@@ -118,10 +118,11 @@ class WorkerRole(ABC):
 
 
 def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChannel,
-          drain: threading.Event | None = None) -> None:  # fmt: skip
-    """Run the role ``role_cls(config)`` on ``channel`` until shut down, orphaned or
-    drained (``drain``: once set, finish what it has and return); registered on Redis
-    as ``config.name`` when ``config.redis_url`` is set."""
+          secret: str, drain: threading.Event | None = None) -> None:  # fmt: skip
+    """Run the role ``role_cls(config, secret)`` on ``channel`` until shut down, orphaned
+    or drained (``drain``: once set, finish what it has and return); registered on Redis
+    as ``config.name`` when ``config.redis_url`` is set. ``secret``: the cluster secret
+    (the channel proves it already; the role's KV transport proves it too)."""
     drain = drain or threading.Event()
     registration = None
     if config.redis_url:
@@ -133,7 +134,7 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
         channel.event_sink = registration.publish
     try:
         try:
-            role = role_cls(config)
+            role = role_cls(config, secret)
         except Exception as exc:
             log.exception("%s worker failed to start", config.role)
             channel.ready(WorkerFailed(f"{type(exc).__name__}: {exc}"))
@@ -201,4 +202,8 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
     config = msgspec.json.decode(args.config, type=WorkerConfig)
-    serve(role_cls, config, WorkerChannel(config.listen, role_cls.codec))
+    secret = envs.CLUSTER_SECRET.get()
+    if not secret:
+        sys.exit(f"a {role_cls.role} worker needs the cluster secret in "
+                 f"${envs.CLUSTER_SECRET.name} (a frontend that spawns it sets it)")
+    serve(role_cls, config, WorkerChannel(config.listen, role_cls.codec, secret), secret)

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 
+from kvstore.auth import key_of
+
 if TYPE_CHECKING:  # the messages here travel through frontends, which run without torch
     import torch
 
@@ -115,6 +117,12 @@ class KVReceiver(ABC):
         """Withdraw ``expect``: later writes for ``transfer_id`` are dropped if possible."""
 
     @abstractmethod
+    def landed(self, transfer_id: str) -> bool:
+        """Whether every block ``expect`` allowed ``transfer_id`` to write has been written
+        by a send the receiver acknowledged (backends that cannot observe the writes say
+        True)."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
 
@@ -159,9 +167,14 @@ class KVSender(ABC):
 
 
 class KVTransport(ABC):
-    """A backend: how the receiving cache is allocated, and its two ends."""
+    """A backend: how the receiving cache is allocated, and its two ends. ``secret``: the
+    cluster secret, which the two ends of a socket backend prove to each other before any
+    block moves (``kvstore.auth``)."""
 
     name: ClassVar[str]
+
+    def __init__(self, secret: str | bytes) -> None:
+        self.key = key_of(secret)
 
     def allocate_cache(
         self, layout: KVCacheLayout, num_blocks: int, device: torch.device | str

@@ -42,6 +42,7 @@ from kvstore.transport.tcp import (
     SocketReceiver,
     answer,
     check_reply,
+    prove_to_receiver,
     read_frame,
     write_frame,
 )
@@ -76,8 +77,10 @@ def _use_device(cache: KVCache) -> None:
 
 
 class NcclReceiver(SocketReceiver):
-    def __init__(self, cache: KVCache, host: str, backend: str, timeout: float) -> None:
-        super().__init__(cache, host)
+    def __init__(
+        self, cache: KVCache, host: str, key: bytes, backend: str, timeout: float
+    ) -> None:
+        super().__init__(cache, host, key)
         self.backend = backend
         self.timeout = timeout
         self._store = dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout),
@@ -95,7 +98,7 @@ class NcclReceiver(SocketReceiver):
                        self.timeout)  # fmt: skip
         write_frame(conn, ACK, hello.transfer_id)
         while True:
-            head = read_frame(conn)
+            head = read_frame(conn, max_blocks=self.cache.num_blocks, max_payload=0)
             if head.kind != HEAD:
                 return
             ids = head.block_ids.tolist()
@@ -115,7 +118,10 @@ class NcclReceiver(SocketReceiver):
                 part.index_copy_(1, index, buf)
         if storage.is_cuda:
             torch.cuda.synchronize(storage.device)
-        return None if ok else NOT_EXPECTED
+        if not ok:
+            return NOT_EXPECTED
+        self._acknowledged(tid, set(ids))
+        return None
 
 
 class _Pair:
@@ -128,8 +134,9 @@ class _Pair:
 class NcclSender(KVSender):
     backend = "nccl"
 
-    def __init__(self, cache: KVCache, backend: str, timeout: float) -> None:
+    def __init__(self, cache: KVCache, key: bytes, backend: str, timeout: float) -> None:
         super().__init__(cache)
+        self._key = key
         self.group_backend = backend
         self.timeout = timeout
         self._pairs: dict[str, _Pair] = {}
@@ -167,6 +174,7 @@ class NcclSender(KVSender):
             try:
                 sock = socket.create_connection((host, int(port)), timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                prove_to_receiver(sock, self._key, endpoint.address)
                 name = f"pair-{uuid.uuid4().hex}"
                 write_frame(sock, HELLO, name)
                 store = dist.TCPStore(host, int(store_port), None, False,
@@ -195,12 +203,13 @@ class NcclSender(KVSender):
 class NcclTransport(KVTransport):
     name = "nccl"
 
-    def __init__(self, backend: str = "nccl", timeout: float = 60.0) -> None:
+    def __init__(self, secret: str | bytes, backend: str = "nccl", timeout: float = 60.0) -> None:
+        super().__init__(secret)
         self.backend = backend
         self.timeout = timeout
 
     def receiver(self, cache: KVCache, host: str = "127.0.0.1") -> NcclReceiver:
-        return NcclReceiver(cache, host, self.backend, self.timeout)
+        return NcclReceiver(cache, host, self.key, self.backend, self.timeout)
 
     def sender(self, cache: KVCache) -> NcclSender:
-        return NcclSender(cache, self.backend, self.timeout)
+        return NcclSender(cache, self.key, self.backend, self.timeout)

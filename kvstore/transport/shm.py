@@ -52,6 +52,9 @@ class ShmReceiver(KVReceiver):
     def forget(self, transfer_id: str) -> None:
         pass  # cannot stop a direct write: senders honour the transfer deadline instead
 
+    def landed(self, transfer_id: str) -> bool:
+        return True  # direct writes are not observed (only this host's processes can map)
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -102,9 +105,13 @@ class ShmSender(KVSender):
 
 
 class ShmTransport(KVTransport):
+    """The secret is not used: only processes of this host that may open another's
+    ``/proc/<pid>/fd`` (the same user, or root) can map its cache."""
+
     name = "shm"
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | bytes) -> None:
+        super().__init__(secret)
         self._fds: dict[int, int] = {}  # id(cache) -> memfd
 
     def allocate_cache(

@@ -1,6 +1,12 @@
-"""TCP transport (any host): framed, checksummed, back-pressured, TCP_NODELAY.
+"""TCP transport (any host): authenticated, framed, checksummed, back-pressured,
+TCP_NODELAY.
 
-One connection per sender/receiver pair, one transfer at a time on it. A transfer is one
+One connection per sender/receiver pair, one transfer at a time on it. A connection
+opens with the cluster-secret handshake (``prove_to_receiver`` / ``prove_to_sender``,
+``kvstore.auth``): a peer that cannot prove the secret is dropped before a frame is read.
+Frame headers are bounded before anything is allocated: a transfer id of at most
+``MAX_ID_BYTES``, no more block ids than the receiver's cache holds blocks, and a payload
+no larger than those blocks' bytes. A transfer is one
 ``DATA`` frame per chunk of consecutive layers (``layer_chunks``: up to 8 MB, so a small
 transfer is one frame and a large one streams layer group by layer group), then ``END``;
 the receiver answers ``ACK`` once every layer is in place or ``NACK`` with the reason.
@@ -18,6 +24,7 @@ transfer id length (u32), payload length (u64), checksum (u64); then the transfe
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import struct
 import threading
@@ -28,6 +35,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore import auth
 from kvstore.layout import KVCache
 from kvstore.transport.base import (
     KVEndpoint,
@@ -40,9 +48,16 @@ from kvstore.transport.base import (
     layout_signature,
 )
 
+log = logging.getLogger("ferry.kv")
+
 MAGIC = b"FKV1"
 HEADER = struct.Struct("<4sBIIIQQ")
 DATA, END, ACK, NACK = 1, 2, 3, 4
+MAX_ID_BYTES = 1024
+MAX_REPLY_BYTES = 1 << 16  # what a reply (a NACK's reason) may carry
+HANDSHAKE_S = 10.0  # a peer that does not finish the handshake by then is dropped
+KV_HELLO = b"FKVA"
+SENDER, RECEIVER = b"kv-sender", b"kv-receiver"
 
 
 @dataclass(frozen=True)
@@ -93,12 +108,21 @@ def _read_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> m
     return view
 
 
-def read_frame(sock: socket.socket, buffer: bytearray | None = None) -> Frame:
+def read_frame(
+    sock: socket.socket, buffer: bytearray | None = None, max_blocks: int = 0,
+    max_payload: int = MAX_REPLY_BYTES,
+) -> Frame:  # fmt: skip
+    """The next frame; ``ConnectionError`` if its header claims more than ``max_blocks``
+    block ids, a payload past ``max_payload`` or an id past ``MAX_ID_BYTES`` (checked
+    before anything is read or allocated for them)."""
     magic, kind, layer, nids, tid_len, plen, digest = HEADER.unpack(
         bytes(_read_exact(sock, HEADER.size))
     )
     if magic != MAGIC:
         raise ConnectionError(f"bad frame magic {magic!r}")
+    if tid_len > MAX_ID_BYTES or nids > max_blocks or plen > max_payload:
+        raise ConnectionError(f"frame header out of bounds: id {tid_len} bytes, {nids} "
+                              f"blocks, {plen} payload bytes")  # fmt: skip
     tid = bytes(_read_exact(sock, tid_len)).decode() if tid_len else ""
     ids = np.frombuffer(bytes(_read_exact(sock, nids * 4)), dtype="<i4") if nids else None
     payload = _read_exact(sock, plen, buffer) if plen else memoryview(b"")
@@ -111,16 +135,48 @@ def _configure(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def prove_to_receiver(sock: socket.socket, key: bytes, link: str) -> None:
+    """The sender's side of the handshake on a fresh connection to the receiver ``link``
+    (its endpoint address); raises ``auth.AuthError`` if the receiver cannot prove the
+    secret."""
+    mine = auth.nonce()
+    sock.sendall(KV_HELLO + mine)
+    reply = bytes(_read_exact(sock, auth.NONCE_BYTES + auth.PROOF_BYTES))
+    theirs, answer = reply[: auth.NONCE_BYTES], reply[auth.NONCE_BYTES :]
+    auth.check(key, RECEIVER, link.encode(), theirs, mine, answer)
+    sock.sendall(auth.proof(key, SENDER, link.encode(), mine, theirs))
+
+
+def prove_to_sender(conn: socket.socket, key: bytes, link: str) -> None:
+    """The receiver's side: a sender that does not prove the secret within
+    ``HANDSHAKE_S`` raises (``auth.AuthError``, or a timeout)."""
+    conn.settimeout(HANDSHAKE_S)
+    hello = bytes(_read_exact(conn, len(KV_HELLO) + auth.NONCE_BYTES))
+    if hello[: len(KV_HELLO)] != KV_HELLO:
+        raise auth.AuthError("not a KV sender's hello")
+    theirs, mine = hello[len(KV_HELLO) :], auth.nonce()
+    conn.sendall(mine + auth.proof(key, RECEIVER, link.encode(), mine, theirs))
+    answer = bytes(_read_exact(conn, auth.PROOF_BYTES))
+    auth.check(key, SENDER, link.encode(), theirs, mine, answer)
+    conn.settimeout(None)
+
+
 # ---- receiving ------------------------------------------------------------------------------
 
 
 class SocketReceiver(KVReceiver):
-    """What the receivers that listen on a TCP socket share: the listener, one thread per
-    sender's connection (``_serve``), and the blocks each expected transfer may write."""
+    """What the receivers that listen on a TCP socket share: the listener, the handshake,
+    one thread per sender's connection (``_serve``), the blocks each expected transfer may
+    write and those acknowledged sends have written."""
 
-    def __init__(self, cache: KVCache, host: str) -> None:
+    endpoint: KVEndpoint
+
+    def __init__(self, cache: KVCache, host: str, key: bytes) -> None:
         self.cache = cache
+        self._key = key
         self._expected: dict[str, set[int]] = {}
+        self._written: dict[str, set[int]] = {}
+        self._refused = 0
         self._lock = threading.Lock()
         self._listener = socket.create_server((host, 0))
         self._conns: set[socket.socket] = set()
@@ -139,11 +195,28 @@ class SocketReceiver(KVReceiver):
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             self._expected.pop(transfer_id, None)
+            self._written.pop(transfer_id, None)
+
+    def landed(self, transfer_id: str) -> bool:
+        with self._lock:
+            expected = self._expected.get(transfer_id)
+            return expected is not None and expected <= self._written.get(transfer_id, set())
 
     def _allowed(self, transfer_id: str, ids: list[int]) -> bool:
         with self._lock:
             allowed = self._expected.get(transfer_id)
             return allowed is not None and allowed.issuperset(ids)
+
+    def _acknowledged(self, transfer_id: str, ids: set[int]) -> None:
+        """A send of ``transfer_id`` wrote ``ids`` and is being acknowledged."""
+        with self._lock:
+            if transfer_id in self._expected:
+                self._written.setdefault(transfer_id, set()).update(ids)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest payload one frame may carry: every block of every layer."""
+        return self.cache.num_blocks * self.cache.layout.bytes_per_block
 
     def _spawn(self, target, name: str, *args) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -161,6 +234,16 @@ class SocketReceiver(KVReceiver):
             self._spawn(self._serve_conn, "kv-conn", conn)
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            prove_to_sender(conn, self._key, self.endpoint.address)
+        except (OSError, ConnectionError) as exc:
+            self._refused += 1
+            if self._refused & (self._refused - 1) == 0:  # the 1st, 2nd, 4th ...
+                log.warning("refused a KV sender that did not prove the cluster secret: %s "
+                            "(%d so far)", exc, self._refused)  # fmt: skip
+            self._conns.discard(conn)
+            conn.close()
+            return
         try:
             self._serve(conn)
         except (OSError, ConnectionError, RuntimeError):
@@ -204,8 +287,8 @@ NOT_EXPECTED = "transfer not expected (cancelled or timed out) or blocks not its
 
 
 class TcpReceiver(SocketReceiver):
-    def __init__(self, cache: KVCache, host: str = "127.0.0.1") -> None:
-        super().__init__(cache, host)
+    def __init__(self, cache: KVCache, host: str, key: bytes) -> None:
+        super().__init__(cache, host, key)
         self.endpoint = KVEndpoint(
             "tcp", f"{host}:{self.port}", layout_signature(cache), cache.num_blocks
         )
@@ -215,20 +298,25 @@ class TcpReceiver(SocketReceiver):
         buffer = bytearray()
         failed: dict[str, str] = {}
         layers: dict[str, int] = {}  # layers written so far, per transfer
+        blocks: dict[str, set[int]] = {}  # the blocks they went to
         while True:
-            frame = read_frame(conn, buffer)
+            frame = read_frame(conn, buffer, self.cache.num_blocks, self.max_frame_bytes)
+            tid = frame.transfer_id
             if frame.kind == DATA:
                 written, problem = self._write(frame)
                 if problem:
-                    failed.setdefault(frame.transfer_id, problem)
+                    failed.setdefault(tid, problem)
                 else:
-                    layers[frame.transfer_id] = layers.get(frame.transfer_id, 0) + written
+                    layers[tid] = layers.get(tid, 0) + written
+                    blocks.setdefault(tid, set()).update(frame.block_ids.tolist())
             elif frame.kind == END:
-                done = layers.pop(frame.transfer_id, 0)
-                problem = failed.pop(frame.transfer_id, None)
+                done, ids = layers.pop(tid, 0), blocks.pop(tid, set())
+                problem = failed.pop(tid, None)
                 if problem is None and done != frame.layer:
                     problem = f"got {done} of {frame.layer} layers"
-                answer(conn, frame.transfer_id, problem)
+                if problem is None:
+                    self._acknowledged(tid, ids)
+                answer(conn, tid, problem)
             if len(frame.payload) > len(buffer):
                 buffer = bytearray(len(frame.payload))
 
@@ -260,8 +348,9 @@ class TcpReceiver(SocketReceiver):
 class TcpSender(KVSender):
     backend = "tcp"
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, key: bytes) -> None:
         super().__init__(cache)
+        self._key = key
         self._conns: dict[str, socket.socket] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -297,9 +386,10 @@ class TcpSender(KVSender):
             host, port = endpoint.address.rsplit(":", 1)
             try:
                 sock = socket.create_connection((host, int(port)), timeout=timeout)
-            except OSError as exc:
-                raise TransferError(f"cannot reach KV receiver {endpoint.address}: {exc}") from exc
-            _configure(sock)
+                _configure(sock)
+                prove_to_receiver(sock, self._key, endpoint.address)
+            except (OSError, ConnectionError) as exc:
+                raise TransferError(f"cannot open a KV link to {endpoint.address}: {exc}") from exc
             self._conns[endpoint.address] = sock
         return sock
 
@@ -318,7 +408,7 @@ class TcpTransport(KVTransport):
     name = "tcp"
 
     def receiver(self, cache: KVCache, host: str = "127.0.0.1") -> TcpReceiver:
-        return TcpReceiver(cache, host)
+        return TcpReceiver(cache, host, self.key)
 
     def sender(self, cache: KVCache) -> TcpSender:
-        return TcpSender(cache)
+        return TcpSender(cache, self.key)

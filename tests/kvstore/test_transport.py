@@ -14,9 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.auth import key_of
 from kvstore.layout import KVCache, KVCacheLayout
 from kvstore.transport import TransferError, get_transport
 from kvstore.transport import tcp as tcp_mod
+
+SECRET = "kv-test-secret"  # the cluster secret both ends prove
+KEY = key_of(SECRET)
 
 LAYOUT = KVCacheLayout.for_attention(3, 2, 8, 4, torch.float32)
 MLA = KVCacheLayout.for_mla(2, 12, 4, 4, torch.bfloat16)
@@ -42,11 +46,11 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 )
 @pytest.mark.parametrize("layout", [LAYOUT, MLA], ids=["gqa", "mla"])
 def test_round_trip_into_given_block_ids(name, device, layout):
-    transport = get_transport(name)
+    transport = get_transport(name, secret=SECRET)
     dst = transport.allocate_cache(layout, 48, device)
     receiver = transport.receiver(dst)
     src = _source(layout, device=device)
-    sender = get_transport(name).sender(src)
+    sender = get_transport(name, secret=SECRET).sender(src)
     rng = np.random.default_rng(1)
     try:
         for t in range(5):
@@ -67,13 +71,14 @@ def test_round_trip_into_given_block_ids(name, device, layout):
 
 @pytest.mark.parametrize("name", ["shm", "tcp"])
 def test_layout_mismatch_and_bad_block_ids_are_refused(name):
-    transport = get_transport(name)
+    transport = get_transport(name, secret=SECRET)
     receiver = transport.receiver(transport.allocate_cache(LAYOUT, 16, "cpu"))
     other = KVCacheLayout.for_attention(3, 2, 4, 4, torch.float32)
     try:
         with pytest.raises(TransferError, match="layout"):
-            get_transport(name).sender(_source(other)).send(receiver.endpoint, "x", [1], [1])
-        sender = get_transport(name).sender(_source(LAYOUT))
+            sender = get_transport(name, secret=SECRET).sender(_source(other))
+            sender.send(receiver.endpoint, "x", [1], [1])
+        sender = get_transport(name, secret=SECRET).sender(_source(LAYOUT))
         with pytest.raises(TransferError, match="out of range"):
             sender.send(receiver.endpoint, "x", [1], [16])
         sender.close()
@@ -82,7 +87,7 @@ def test_layout_mismatch_and_bad_block_ids_are_refused(name):
 
 
 def test_tcp_corrupted_frame_is_refused_and_not_written():
-    transport = get_transport("tcp")
+    transport = get_transport("tcp", secret=SECRET)
     dst = transport.allocate_cache(LAYOUT, 16, "cpu")
     receiver = transport.receiver(dst)
     receiver.expect("bad", [3])
@@ -91,6 +96,7 @@ def test_tcp_corrupted_frame_is_refused_and_not_written():
     digest = tcp_mod.checksum(np.asarray([3], dtype="<i4").tobytes(), bytes(payload))
     payload[5] ^= 0xFF  # flipped on the wire
     with socket.create_connection((host, int(port))) as sock:
+        tcp_mod.prove_to_receiver(sock, KEY, receiver.endpoint.address)
         for layer in range(3):
             tcp_mod.write_frame(sock, tcp_mod.DATA, "bad", layer, [3], bytes(payload), digest)
         tcp_mod.write_frame(sock, tcp_mod.END, "bad", 3)
@@ -102,10 +108,10 @@ def test_tcp_corrupted_frame_is_refused_and_not_written():
 
 
 def test_tcp_unexpected_or_forgotten_transfer_is_refused():
-    transport = get_transport("tcp")
+    transport = get_transport("tcp", secret=SECRET)
     dst = transport.allocate_cache(LAYOUT, 16, "cpu")
     receiver = transport.receiver(dst)
-    sender = get_transport("tcp").sender(_source(LAYOUT))
+    sender = get_transport("tcp", secret=SECRET).sender(_source(LAYOUT))
     with pytest.raises(TransferError, match="not expected"):
         sender.send(receiver.endpoint, "never", [1, 2], [3, 4])
     receiver.expect("gone", [3, 4])
@@ -124,8 +130,9 @@ _RECEIVER = """
 import sys, time, msgspec, torch
 from kvstore.layout import KVCacheLayout
 from kvstore.transport import get_transport
+SECRET = "kv-test-secret"
 lay = KVCacheLayout.for_attention(3, 2, 8, 4, torch.float32)
-t = get_transport(sys.argv[1])
+t = get_transport(sys.argv[1], secret=SECRET)
 rx = t.receiver(t.allocate_cache(lay, 16, "cpu"))
 rx.expect("t", list(range(1, 16)))
 print(msgspec.json.encode(rx.endpoint).decode(), flush=True)
@@ -146,7 +153,7 @@ def test_peer_death_is_detected(name):
     )  # fmt: skip
     try:
         endpoint = msgspec.json.decode(proc.stdout.readline(), type=KVEndpoint)
-        sender = get_transport(name).sender(_source(LAYOUT))
+        sender = get_transport(name, secret=SECRET).sender(_source(LAYOUT))
         sender.send(endpoint, "t", [1, 2], [1, 2])  # the peer is alive: fine
         proc.kill()
         proc.wait()
@@ -161,16 +168,17 @@ def test_peer_death_is_detected(name):
 
 def test_tcp_sender_gone_mid_transfer_leaves_receiver_clean():
     before = _threads()
-    transport = get_transport("tcp")
+    transport = get_transport("tcp", secret=SECRET)
     dst = transport.allocate_cache(LAYOUT, 16, "cpu")
     receiver = transport.receiver(dst)
     receiver.expect("t", [1])
     host, port = receiver.endpoint.address.split(":")
     payload = _source(LAYOUT).layers[0][[1]].numpy().tobytes()
     with socket.create_connection((host, int(port))) as sock:
+        tcp_mod.prove_to_receiver(sock, KEY, receiver.endpoint.address)
         tcp_mod.write_frame(sock, tcp_mod.DATA, "t", 0, [1], payload)
     # the receiver keeps working for the next sender
-    sender = get_transport("tcp").sender(_source(LAYOUT))
+    sender = get_transport("tcp", secret=SECRET).sender(_source(LAYOUT))
     sender.send(receiver.endpoint, "t", [2], [1])
     sender.close()
     receiver.close()
@@ -189,10 +197,10 @@ def test_shm_segment_is_released_when_both_ends_let_go():
     import gc
 
     before = _memfds()
-    transport = get_transport("shm")
+    transport = get_transport("shm", secret=SECRET)
     dst = transport.allocate_cache(LAYOUT, 16, "cpu")
     receiver = transport.receiver(dst)
-    sender = get_transport("shm").sender(_source(LAYOUT))
+    sender = get_transport("shm", secret=SECRET).sender(_source(LAYOUT))
     sender.send(receiver.endpoint, "t", [1], [2])
     assert _memfds() > before
     sender.close()
@@ -214,11 +222,11 @@ def test_nccl_code_path_with_gloo_round_trip_and_refusal(monkeypatch, chunk_byte
     from kvstore.transport import nccl as nccl_mod
 
     monkeypatch.setattr(nccl_mod, "CHUNK_BYTES", chunk_bytes)
-    transport = get_transport("nccl", backend="gloo", timeout=20)
+    transport = get_transport("nccl", backend="gloo", timeout=20, secret=SECRET)
     dst = transport.allocate_cache(LAYOUT, 24, "cpu")
     receiver = transport.receiver(dst)
     src = _source(LAYOUT)
-    sender = get_transport("nccl", backend="gloo", timeout=20).sender(src)
+    sender = get_transport("nccl", backend="gloo", timeout=20, secret=SECRET).sender(src)
     try:
         for t, (s_ids, d_ids) in enumerate([([1, 2, 3], [9, 4, 20]), ([31], [1])]):
             receiver.expect(f"t{t}", d_ids)
@@ -236,3 +244,70 @@ def test_nccl_code_path_with_gloo_round_trip_and_refusal(monkeypatch, chunk_byte
     finally:
         sender.close()
         receiver.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("name", ["tcp", "nccl"])
+def test_a_sender_without_the_cluster_secret_is_refused_and_writes_nothing(name):
+    options = {"backend": "gloo", "timeout": 20} if name == "nccl" else {}
+    transport = get_transport(name, secret=SECRET, **options)
+    dst = transport.allocate_cache(LAYOUT, 16, "cpu")
+    receiver = transport.receiver(dst)
+    receiver.expect("t", [1, 2])
+    stranger = get_transport(name, secret="another secret", **options).sender(_source(LAYOUT))
+    with pytest.raises(TransferError, match="cluster secret"):
+        stranger.send(receiver.endpoint, "t", [1, 2], [1, 2])
+    host, port = receiver.endpoint.address.split("/")[0].split(":")
+    payload = _source(LAYOUT).layers[0][[1]].numpy().tobytes()
+    with socket.create_connection((host, int(port))) as sock:  # frames with no handshake
+        tcp_mod.write_frame(sock, tcp_mod.DATA, "t", 0, [1], payload)
+        sock.settimeout(10)
+        assert _closed_by_peer(sock)
+    assert not dst.storage.any() and not receiver.landed("t")
+    stranger.close()
+    receiver.close()
+
+
+def test_a_forged_frame_header_is_refused_before_anything_is_allocated():
+    import resource
+
+    transport = get_transport("tcp", secret=SECRET)
+    dst = transport.allocate_cache(LAYOUT, 16, "cpu")
+    receiver = transport.receiver(dst)
+    receiver.expect("t", [1])
+    host, port = receiver.endpoint.address.split(":")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    with socket.create_connection((host, int(port))) as sock:
+        tcp_mod.prove_to_receiver(sock, KEY, receiver.endpoint.address)
+        header = tcp_mod.HEADER.pack(tcp_mod.MAGIC, tcp_mod.DATA, 0, 1, 1, 2 << 30, 0)
+        sock.sendall(header + b"t" + b"\x01\x00\x00\x00")  # claims a 2 GiB payload
+        sock.settimeout(10)
+        assert _closed_by_peer(sock)  # dropped at the header
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 256, f"the receiver allocated {grown_mb:.0f} MB"
+    sender = get_transport("tcp", secret=SECRET).sender(_source(LAYOUT))
+    sender.send(receiver.endpoint, "t", [2], [1])  # and it still serves honest senders
+    sender.close()
+    receiver.close()
+
+
+def test_landed_says_whether_every_expected_block_was_acknowledged():
+    transport = get_transport("tcp", secret=SECRET)
+    receiver = transport.receiver(transport.allocate_cache(LAYOUT, 16, "cpu"))
+    sender = get_transport("tcp", secret=SECRET).sender(_source(LAYOUT))
+    receiver.expect("t", [3, 4, 5])
+    assert not receiver.landed("t")
+    sender.send(receiver.endpoint, "t", [1, 2], [3, 4])  # a first chunk of the prompt
+    assert not receiver.landed("t")
+    sender.send(receiver.endpoint, "t", [7], [5])
+    assert receiver.landed("t")
+    receiver.forget("t")
+    assert not receiver.landed("t") and not receiver.landed("never expected")
+    sender.close()
+    receiver.close()

@@ -14,6 +14,8 @@ import xxhash
 
 from kvstore.layout import KVCache, KVCacheLayout
 
+SECRET = "kv-test-secret"  # the cluster secret both ends prove
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
 )
@@ -24,9 +26,10 @@ _RECEIVER = """
 import json, sys, msgspec, torch, xxhash
 from kvstore.layout import KVCacheLayout
 from kvstore.transport import get_transport
+SECRET = "kv-test-secret"
 torch.cuda.set_device(1)
 lay = KVCacheLayout.for_attention(4, 8, 128, 16, torch.bfloat16)
-t = get_transport("nccl")
+t = get_transport("nccl", secret=SECRET)
 cache = t.allocate_cache(lay, 64, "cuda:1")
 rx = t.receiver(cache)
 rx.expect("t0", list(range(1, 64)))
@@ -61,7 +64,7 @@ def test_nccl_round_trip_between_two_gpus():
         torch.cuda.set_device(0)
         src = KVCache(LAYOUT, 64, "cuda:0")
         src.storage.normal_()
-        sender = get_transport("nccl").sender(src)
+        sender = get_transport("nccl", secret=SECRET).sender(src)
         src_ids, dst_ids = [3, 17, 40, 41, 63], [50, 2, 9, 10, 33]
         stats = sender.send(endpoint, "t0", src_ids, dst_ids)
         assert stats.num_bytes == 5 * LAYOUT.bytes_per_block

@@ -25,13 +25,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-ferry"
+CLUSTER_SECRET = "test-cluster-secret-ferry"  # every test frontend and worker shares it
 START_TIMEOUT_S = 180.0
-_READY = re.compile(r"^ferry: serving (\S+) on (http://\S+)$", re.MULTILINE)
+_READY = re.compile(r"^ferry: serving (\S+) on (http://\S+)\nferry: control plane on "
+                    r"(http://\S+)$", re.MULTILINE)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Server:
     base_url: str  # http://127.0.0.1:PORT
+    control_url: str  # where workers announce themselves (ferry worker --frontend)
     model: str
     api_key: str
     log_path: Path
@@ -69,12 +72,12 @@ def _ferry_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
 
 
-def _wait_ready(proc: subprocess.Popen, log_path: Path) -> tuple[str, str]:
+def _wait_ready(proc: subprocess.Popen, log_path: Path) -> tuple[str, str, str]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         match = _READY.search(log_path.read_text(errors="replace"))
         if match:
-            return match.group(1), match.group(2)
+            return match.group(1), match.group(2), match.group(3)
         if proc.poll() is not None:
             break
         time.sleep(0.25)
@@ -96,9 +99,13 @@ def _wait_healthy(base_url: str) -> None:
 
 
 @contextlib.contextmanager
-def _process(command: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
-    """Run ``command`` (output to ``log_path``) until the block exits, then stop it."""
-    env = {**os.environ, "FERRY_DEBUG_INTEGRITY": "1"}
+def _process(
+    command: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """Run ``command`` (output to ``log_path``, ``env`` over the test's environment and the
+    shared cluster secret) until the block exits, then stop it."""
+    env = {**os.environ, "FERRY_DEBUG_INTEGRITY": "1", "FERRY_CLUSTER_SECRET": CLUSTER_SECRET,
+           **(env or {})}  # fmt: skip
     env.pop("FERRY_API_KEY", None)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -115,27 +122,30 @@ def _process(command: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
 
 @contextlib.contextmanager
 def run_server(
-    log_path: Path, *flags: str, healthy: bool = True, prefix: Sequence[str] = ()
-) -> Iterator[Server]:
+    log_path: Path, *flags: str, healthy: bool = True, prefix: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[Server]:  # fmt: skip
     """``ferry serve --port 0 --api-key ... <flags>`` until the block exits; ``healthy``:
     wait for /health to say 200 (not with workers still to join); ``prefix``: a command
-    that runs it (such as ``setpriv ...``)."""
+    that runs it (such as ``setpriv ...``); ``env``: more environment."""
     command = [*prefix, *_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
-    with _process(command, log_path) as proc:
-        model, base_url = _wait_ready(proc, log_path)
+    with _process(command, log_path, env) as proc:
+        model, base_url, control_url = _wait_ready(proc, log_path)
         if healthy:
             _wait_healthy(base_url)
-        yield Server(base_url, model, API_KEY, log_path, proc)
+        yield Server(base_url, control_url, model, API_KEY, log_path, proc)
 
 
 _WORKER_READY = re.compile(r"^ferry: (\w+) worker (\S+) listening on (\S+)$", re.MULTILINE)
 
 
 @contextlib.contextmanager
-def run_worker(log_path: Path, *flags: str) -> Iterator[subprocess.Popen]:
-    """``ferry worker --api-key ... <flags>`` until the block exits (SIGTERM: it drains)."""
-    command = [*_ferry_command(), "worker", "--api-key", API_KEY, *flags]
-    with _process(command, log_path) as proc:
+def run_worker(
+    log_path: Path, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """``ferry worker <flags>`` until the block exits (SIGTERM: it drains)."""
+    command = [*_ferry_command(), "worker", *flags]
+    with _process(command, log_path, env) as proc:
         deadline = time.monotonic() + 30
         while not _WORKER_READY.search(log_path.read_text(errors="replace")):
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -43,7 +43,7 @@ def cached(response: dict) -> int:
 def test_a_worker_started_on_its_own_joins_over_http_serves_and_drains(tmp_path):
     with run_server(tmp_path / "serve.log", *FRONTEND, healthy=False) as server:
         assert httpx.get(f"{server.base_url}/health").status_code == 503  # nobody yet
-        join = ["--frontend", server.base_url, *WORKER]
+        join = ["--frontend", server.control_url, *WORKER]
         with (
             run_worker(tmp_path / "p.log", "--role", "prefill", "--name", "p-x", *join),
             run_worker(tmp_path / "d.log", "--role", "decode", "--name", "d-x", *join) as d,
