@@ -87,17 +87,37 @@ def smollm2_tokenizer(default_gguf_path: Path) -> Tokenizer:
 
 class RedisServer:
     """A real ``redis-server`` on a free loopback port, without persistence; ``stop`` and
-    ``start`` again (same port, empty) play an outage."""
+    ``start`` again (same port, empty) play an outage. ``password``: it requires one;
+    ``tls``: it speaks only TLS, with a self-signed certificate made here (the URL names
+    it as the CA to trust)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, password: str | None = None, tls: bool = False) -> None:
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
         self.proc = None
+        self.args = ["--requirepass", password] if password else []
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        if tls:
+            cert, key = self._certificate()
+            self.args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", cert,
+                          "--tls-key-file", key, "--tls-ca-cert-file", cert,
+                          "--tls-auth-clients", "no"]  # fmt: skip
+            self.url = f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={cert}"
+
+    def _certificate(self) -> tuple[str, str]:
+        import subprocess
+
+        cert, key = str(self.workdir / "redis.crt"), str(self.workdir / "redis.key")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-keyout", key, "-out", cert, "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1"],
+                       check=True, capture_output=True)  # fmt: skip
+        return cert, key
 
     def start(self) -> None:
         import subprocess
@@ -107,10 +127,10 @@ class RedisServer:
 
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
+             "--appendonly", "no", "--dir", str(self.workdir), *self.args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -131,13 +151,22 @@ class RedisServer:
 @pytest.fixture
 def redis_server(tmp_path):
     """A running ``redis-server`` (installed by ``setup.sh --test``)."""
+    yield from _redis(RedisServer(tmp_path))
+
+
+@pytest.fixture
+def secure_redis_server(tmp_path):
+    """A running ``redis-server`` that wants a password and speaks TLS."""
+    yield from _redis(RedisServer(tmp_path, password="redis-test-password", tls=True))
+
+
+def _redis(server: RedisServer):
     import shutil
 
     if shutil.which("redis-server") is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is not installed: setup.sh --test installs it")
         pytest.skip("redis-server is not installed (setup.sh --test installs it)")
-    server = RedisServer(tmp_path)
     server.start()
     yield server
     server.stop()

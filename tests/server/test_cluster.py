@@ -122,3 +122,25 @@ def test_a_second_frontend_finds_the_workers_another_one_started_through_redis(
             health = wait_health(b.base_url, 200)
             assert {w["name"] for w in health["workers"]} == names
             assert complete(b, "hello " * 20)["usage"]["completion_tokens"] == 4
+
+
+def test_frontends_and_workers_share_a_redis_behind_a_password_and_tls(
+    tmp_path, secure_redis_server
+):
+    url = secure_redis_server.url
+    assert url.startswith("rediss://:redis-test-password@")
+    tiny = ["--model", "dummy:tiny", "--kv-tiers", "none", "--threads", "1", "--redis", url]
+    with (
+        run_worker(tmp_path / "p.log", "--role", "prefill", "--name", "sp", *tiny),
+        run_worker(tmp_path / "d.log", "--role", "decode", "--name", "sd", *tiny),
+        run_server(tmp_path / "a.log", "--prefill", "0", "--decode", "0", *tiny,
+                   healthy=False) as a,
+    ):  # fmt: skip
+        health = wait_health(a.base_url, 200)
+        deadline = time.monotonic() + 30
+        while len(health["workers"]) < 2 or not health["redis"]["connected"]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.2)
+            health = httpx.get(f"{a.base_url}/health").json()
+        assert {w["name"] for w in health["workers"]} == {"sp", "sd"}
+        assert complete(a, "hello " * 20)["usage"]["completion_tokens"] == 4
