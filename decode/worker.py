@@ -47,7 +47,7 @@ class DecodeWorker(WorkerRole):
         self.sched: DecodeScheduler = self.core.scheduler  # type: ignore[assignment]
         self.receiver = backend.receiver(self.core.kv_cache, transfer.kv_host)
         self.local_prefill_tokens = transfer.local_prefill_tokens
-        self.timeout = transfer.timeout_s
+        self.timeout = transfer.timeout_s + transfer.queue_timeout_s
         self.deadlines: dict[str, float] = {}
         self.cancelled: set[str] = set()
         self._out = Outbox()

@@ -44,6 +44,27 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone; requests in flight cannot complete."""
 
 
+class ReaderTooSlow(RuntimeError):
+    """A request's reader fell ``OUTPUT_BUFFER`` outputs behind: it was aborted."""
+
+
+OUTPUT_BUFFER = 1024  # outputs one request may have waiting for its reader
+
+
+def offer(queue: asyncio.Queue, item: RequestOutput | Exception) -> bool:
+    """Put ``item`` on a request's queue; when its reader has fallen ``OUTPUT_BUFFER``
+    behind, empty the queue, leave ``ReaderTooSlow`` in it and return False: the caller
+    aborts the request, so a reader that stops reading holds a bounded buffer and slows
+    no one else."""
+    if queue.qsize() < OUTPUT_BUFFER or isinstance(item, Exception):
+        queue.put_nowait(item)
+        return True
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(ReaderTooSlow(f"the reader fell {OUTPUT_BUFFER} outputs behind"))
+    return False
+
+
 class WorkerRefused(ValueError):
     """A worker asked to join a topology that takes none (one engine process)."""
 
@@ -176,8 +197,9 @@ class EngineClient:
         if isinstance(msg, Outputs):
             for out in msg.outputs:
                 queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                if queue is not None and not offer(queue, out):
+                    self._queues.pop(out.request_id)
+                    self._engine.send(Abort([out.request_id]))
 
     def _died(self, engine: WorkerHandle) -> None:
         reason = engine.dead or "engine process exited"

@@ -51,6 +51,7 @@ class _Shipment:
     num_blocks: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
+    started: float | None = None  # wall clock when its prefill began computing
     outcome: RequestOutput | None = None  # the prefill's end, once it has ended
     failure: PrefillFailed | None = None  # set when no KV will be delivered
 
@@ -184,6 +185,9 @@ class PrefillWorker(WorkerRole):
         """Start sending the computed blocks among the first ``num_tokens`` prompt tokens
         that have not been sent; ``final``: the prompt is done, its partial block too."""
         dest = ship.dest
+        now = time.time()
+        if ship.started is None and (num_tokens or final):
+            ship.started = now  # the transfer's time runs from here, not from the queue
         end = -(-num_tokens // self.block_size) if final else num_tokens // self.block_size
         begin = dest.skip_blocks + ship.sent
         if end - dest.skip_blocks > len(dest.block_ids):
@@ -193,9 +197,9 @@ class PrefillWorker(WorkerRole):
             return
         if end <= begin:
             return
-        if time.time() > dest.deadline:
+        if now > min(dest.deadline, ship.started + self.timeout):
             self._stop(rid, ship, PrefillFailed(
-                rid, "the decode worker's reservation expired before the prefill ended"
+                rid, "the prompt's KV took longer than the transfer timeout"
             ))  # fmt: skip
             return
         blocks = self.sched.pin(self.sched.blocks(rid)[begin:end])

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
-from engine.client import EngineDeadError
+from engine.client import EngineDeadError, offer
 from engine.config import EngineConfig
 from engine.loader import load_tokenizer, model_name
 from engine.messages import Abort, EngineRequest, EngineStats, Outputs, RequestOutput
@@ -258,7 +258,10 @@ class DisaggClient:
                                           num_cached_tokens=cached)  # fmt: skip
         route.emitted.extend(out.new_token_ids)
         route.finished = out.finish_reason is not None
-        route.queue.put_nowait(out)
+        if not offer(route.queue, out):
+            route.finished = True
+            self._close(route)
+            self._abort(route)
 
     def _want_kv(self, decode: WorkerProcess, msg: KVWanted) -> None:
         wid = msg.request_id

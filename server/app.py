@@ -69,8 +69,7 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await client.start()
         name = config.served_model_name or client.model_name
-        app.state.serving = Serving(client, metrics, name, config.max_tokens_default,
-                                    config.max_tokens_limit)  # fmt: skip
+        app.state.serving = Serving(client, metrics, name, config)
         try:
             yield
         finally:

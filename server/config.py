@@ -24,6 +24,9 @@ class ServerConfig:
     the context decides; ``Serving``).
     ``response_store_size`` / ``response_store_ttl_s``: how many stored Responses API
     responses are kept, and for how long, for ``previous_response_id`` and ``GET``.
+    ``max_queued_requests`` / ``max_queued_tokens``: how many sequences (and their prompt
+    tokens) may wait for a first token before new requests get 429 (``server.admission``);
+    ``request_timeout_s``: how long one request may run (0: no limit).
     ``internal_host`` / ``internal_port``: the control plane's own listener
     (``server.control``; port None: the public port + 1, or a free one with port 0).
     """
@@ -39,6 +42,9 @@ class ServerConfig:
     max_tokens_default: int = MAX_TOKENS_DEFAULT
     response_store_size: int = 1000
     response_store_ttl_s: float = 3600.0
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 1 << 20
+    request_timeout_s: float = 600.0
     internal_host: str = "127.0.0.1"
     internal_port: int | None = None
 

@@ -79,6 +79,15 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens-limit", type=_int_at_least(1), metavar="N",
                    help="most tokens any request generates; one asking for more gets N "
                         "(default: as many as the context holds)")
+    p.add_argument("--max-queued-requests", type=_int_at_least(1),
+                   default=ServerConfig.max_queued_requests, metavar="N",
+                   help="sequences that may wait for their first token; more get 429")
+    p.add_argument("--max-queued-tokens", type=_int_at_least(1),
+                   default=ServerConfig.max_queued_tokens, metavar="N",
+                   help="prompt tokens that may wait for a first token; more get 429")
+    p.add_argument("--request-timeout", type=_at_least(0.0),
+                   default=ServerConfig.request_timeout_s, metavar="S",
+                   help="seconds one request may run before it ends with an error (0: none)")
     p.add_argument("--response-store-size", type=_int_at_least(0),
                    default=ServerConfig.response_store_size, metavar="N",
                    help="Responses API: stored responses kept for previous_response_id")
@@ -120,7 +129,12 @@ def add_transfer_flags(group: Any) -> None:
                        help="a decode worker prefills a prompt itself when at most this many "
                             "of its tokens are not in its prefix cache")
     group.add_argument("--kv-transfer-timeout", type=float, default=TransferConfig.timeout_s,
-                       help="seconds a decode worker keeps blocks reserved for KV to arrive")
+                       help="seconds a prompt's KV may take to arrive once its prefill has "
+                            "started")
+    group.add_argument("--kv-queue-timeout", type=float,
+                       default=TransferConfig.queue_timeout_s,
+                       help="seconds a prompt may wait for a prefill worker to start it "
+                            "(its decode worker holds blocks for it meanwhile)")
     group.add_argument("--kv-host", default=TransferConfig.kv_host,
                        help="address the KV receivers of decode workers bind")
     # fmt: skip
@@ -320,6 +334,7 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(
         transport=kv_transport(args),
         timeout_s=args.kv_transfer_timeout,
+        queue_timeout_s=args.kv_queue_timeout,
         local_prefill_tokens=args.local_prefill_tokens,
         kv_host=args.kv_host,
     )
@@ -337,6 +352,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_tokens_default=args.max_tokens_default,
         response_store_size=args.response_store_size,
         response_store_ttl_s=args.response_store_ttl,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        request_timeout_s=args.request_timeout,
         internal_host=args.internal_host,
         internal_port=args.internal_port,
     )

@@ -22,14 +22,19 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.client import EngineDeadError, ServingClient
+from prometheus_client import Counter
+
+from engine.client import EngineDeadError, ReaderTooSlow, ServingClient
 from engine.messages import RequestOutput, TokenLogprob
 from engine.sampling_params import GrammarSpec, SamplingParams
+from server.admission import Admission, Ticket
+from server.config import ServerConfig
 from server.errors import APIError, engine_unavailable, invalid_request, model_not_found
 from server.logprobs import LogprobFormatter
 from server.metrics import Metrics
@@ -101,6 +106,7 @@ class Job:
     tool_calls: ToolCallMode | None = None  # how to read tool calls out of the text
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
+    ticket: Ticket | None = None  # its place in the admission queue
 
 
 @dataclass(frozen=True)
@@ -145,21 +151,29 @@ class Tally:
 class Serving:
     """Validation, fan-out and detokenization shared by chat and completions.
 
-    ``max_tokens_default``: the output length of a request that gives none (0: whatever
-    room the context leaves); an explicit value up to the context is honoured.
-    ``max_tokens_limit``: the most tokens one request generates (asking for more gets that
-    many); None: as many as the context holds.
+    The limits come from ``config`` (``ServerConfig``): ``max_tokens_default``, the output
+    length of a request that gives none (0: whatever room the context leaves; an explicit
+    value up to the context is honoured); ``max_tokens_limit``, the most tokens one request
+    generates (asking for more gets that many; None: as many as the context holds);
+    ``request_timeout_s``, how long a request may run before it ends with an error (0:
+    no limit); and the admission bounds (``server.admission``).
     """
 
     def __init__(
         self, client: ServingClient, metrics: Metrics, model_name: str,
-        max_tokens_default: int = 0, max_tokens_limit: int | None = None,
+        config: ServerConfig | None = None,
     ) -> None:  # fmt: skip
+        config = config or ServerConfig()
         self.client = client
         self.metrics = metrics
         self.model_name = model_name
-        self.max_tokens_default = max_tokens_default
-        self.max_tokens_limit = max_tokens_limit
+        self.max_tokens_default = config.max_tokens_default
+        self.max_tokens_limit = config.max_tokens_limit
+        self.request_timeout_s = config.request_timeout_s
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
+                                   metrics.registry)  # fmt: skip
+        self.timeouts = Counter("ferry_request_timeouts", "Requests ended by --request-timeout",
+                                registry=metrics.registry)  # fmt: skip
 
     @property
     def tokenizer(self) -> Any:
@@ -290,7 +304,11 @@ class Serving:
                 index = p * req.n + i
                 sampling = self._sampling(req, i, max_tokens[p], wanted.grammar)
                 choices.append(ChoiceSpec(index, p, f"{request_id}-{index}", sampling, stop))
-        return Job(request_id, self.model_name, prompts, choices, wanted.tool_calls)
+        ticket = self.admission.admit([len(prompts[c.prompt_index].token_ids) for c in choices])
+        job = Job(request_id, self.model_name, prompts, choices, wanted.tool_calls,
+                  ticket=ticket)  # fmt: skip
+        weakref.finalize(job, ticket.close)  # a job never run leaves the queue too
+        return job
 
     def _sampling(
         self, req: SamplingFields, i: int, max_tokens: int, grammar: GrammarSpec | None
@@ -327,12 +345,18 @@ class Serving:
 
     # -- running ------------------------------------------------------------------------------
 
-    def events(self, job: Job) -> AsyncIterator[ChoiceEvent]:
+    async def events(self, job: Job) -> AsyncIterator[ChoiceEvent]:
         """Every choice's events, merged; closing this aborts all choices in the engine."""
         for prompt in job.prompts:
             self.metrics.prompt_tokens.inc(len(prompt.token_ids))
         streams = [self._choice_events(job, spec) for spec in job.choices]
-        return merge(streams)
+        try:
+            async with aclosing(merge(streams)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if job.ticket is not None:
+                job.ticket.close()
 
     async def _choice_events(self, job: Job, spec: ChoiceSpec) -> AsyncIterator[ChoiceEvent]:
         prompt = job.prompts[spec.prompt_index].token_ids
@@ -341,10 +365,13 @@ class Serving:
         logprobs: list[TokenLogprob] = []
         timer = _TokenTimer(self.metrics, job.arrival)
         outputs = self.client.generate(spec.request_id, prompt, spec.sampling)
+        deadline = job.arrival + self.request_timeout_s if self.request_timeout_s else None
         try:
-            async with aclosing(outputs):
+            async with asyncio.timeout_at(deadline), aclosing(outputs):
                 async for out in outputs:
                     _raise_on_failure(out)
+                    if out.new_token_ids and job.ticket is not None:
+                        job.ticket.started(spec.index)
                     timer.tokens(len(out.new_token_ids))
                     ids += out.new_token_ids
                     logprobs += out.logprobs or []
@@ -360,6 +387,14 @@ class Serving:
                         return
         except EngineDeadError as exc:
             raise engine_unavailable(str(exc)) from exc
+        except ReaderTooSlow as exc:
+            raise APIError(f"The client stopped reading: {exc}.", 408,
+                           code="client_too_slow") from exc
+        except TimeoutError:
+            self.timeouts.inc()
+            raise APIError(f"The request ran past the server's limit of "
+                           f"{self.request_timeout_s:g} s (--request-timeout).", 504,
+                           code="request_timeout", type="timeout_error") from None
 
 
 class _TokenTimer:

@@ -20,8 +20,10 @@ ROLES = ("engine", "prefill", "decode")
 class TransferConfig:
     """How KV moves from prefill to decode workers.
 
-    ``timeout_s``: how long a decode worker keeps blocks reserved for KV that has not
-    arrived (a prefill worker starts no transfer after that, and gives each send this long).
+    ``timeout_s``: how long the KV of a prompt may take once its prefill has started (a
+    prefill worker starts no send later, and gives each send this long);
+    ``queue_timeout_s``: how long it may wait for a prefill worker to start it. A decode
+    worker keeps blocks reserved for KV that has not arrived for their sum.
     ``local_prefill_tokens``: a decode worker computes a prompt itself when at most this
     many of its tokens are missing from its prefix cache. ``kv_host``: the address a decode
     worker's KV receiver binds.
@@ -29,14 +31,15 @@ class TransferConfig:
 
     transport: str = "shm"
     timeout_s: float = 120.0
+    queue_timeout_s: float = 600.0
     local_prefill_tokens: int = 16
     kv_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.local_prefill_tokens < 0:
             raise ValueError("local_prefill_tokens must be >= 0")
-        if not self.timeout_s > 0:
-            raise ValueError("the KV transfer timeout must be positive")
+        if not self.timeout_s > 0 or not self.queue_timeout_s >= 0:
+            raise ValueError("the KV transfer timeouts must be positive")
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,19 @@ from prefill.worker import PrefillWorker
 
 CONFIG = EngineConfig(model="dummy:tiny", num_threads=1,
                       cache=CacheConfig(num_blocks=128, block_size=4))  # fmt: skip
+SECRET = "test-cluster-secret"  # what the two roles' KV transport proves to itself
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPT = [1 + i % 200 for i in range(30)]
 
 
 def decode_role(config: EngineConfig, transport: str, timeout: float = 30):
     transfer = TransferConfig(transport, timeout_s=timeout, local_prefill_tokens=0)
-    return decode_worker.DecodeWorker(WorkerConfig("decode", config, transfer))
+    return decode_worker.DecodeWorker(WorkerConfig("decode", config, transfer), SECRET)
 
 
 def prefill_role(config: EngineConfig, transport: str, timeout: float = 30) -> PrefillWorker:
-    return PrefillWorker(WorkerConfig("prefill", config, TransferConfig(transport, timeout)))
+    return PrefillWorker(WorkerConfig("prefill", config, TransferConfig(transport, timeout)),
+                         SECRET)  # fmt: skip
 
 
 @pytest.fixture
@@ -290,3 +292,22 @@ def test_a_request_ended_by_its_first_token_leaves_no_unsent_kv_in_the_cache(dec
     assert [o.finish_reason for o in outs] == ["length"]
     assert decode.core.kv.pool.lookup(hash_chain(PROMPT, 4, decode.core.hash_extra)) == []
     clean(decode)
+
+
+def test_time_waiting_for_a_prefill_worker_does_not_count_against_the_transfer_timeout():
+    """The transfer timeout runs from when the prefill starts: a prompt that waited longer
+    than it in the prefill queue is still computed and sent."""
+    d = decode_role(CONFIG, "tcp", timeout=1.0)
+    p = prefill_role(CONFIG, "tcp", timeout=1.0)
+    try:
+        d.handle(DecodeRequest(EngineRequest("r", PROMPT, GREEDY)))
+        want = wanted(d)
+        time.sleep(1.5)  # behind other prompts in the prefill worker's queue, say
+        done = run_prefill(p, want)
+        assert isinstance(done, PrefillDone), done
+        d.handle(KVReady(done.output))
+        assert decode_to_end(d, first_token(done)) == reference_tokens(CONFIG, PROMPT)
+        clean(d)
+    finally:
+        d.close()
+        p.close()

@@ -196,3 +196,30 @@ async def test_200_requests_with_random_cancels_leak_no_blocks():
         assert all(w.alive for w in client.workers)
     finally:
         await client.shutdown()
+
+
+async def test_a_reader_that_stops_reading_is_dropped_after_a_bounded_buffer():
+    """A client that stops reading its stream holds at most OUTPUT_BUFFER outputs: its
+    request is aborted on the workers, and its reader finds out once it reads again."""
+    from engine.client import OUTPUT_BUFFER, ReaderTooSlow
+
+    client = DisaggClient(tiny(), PDConfig(transfer=TransferConfig(local_prefill_tokens=0)))
+    await client.start()
+    try:
+        long = SamplingParams(temperature=0, max_tokens=OUTPUT_BUFFER + 500, ignore_eos=True)
+        stream = client.generate("slow", list(range(1, 40)), long)
+        first = await anext(stream)
+        assert first.new_token_ids  # then this reader stops reading
+        decode = client.pools.decode[0]
+        deadline = time.monotonic() + 120
+        while decode.inflight or decode.stats.num_running:
+            assert time.monotonic() < deadline, "the unread request kept running"
+            await asyncio.sleep(0.2)
+        with pytest.raises(ReaderTooSlow):
+            async for _ in stream:
+                pass
+        await wait_idle(client)
+        # others were served meanwhile and after
+        assert len(await collect(client, "fast", list(range(1, 30)))) == GREEDY.max_tokens
+    finally:
+        await client.shutdown()
