@@ -35,6 +35,7 @@ from bench.common import machine_info
 from engine.attention import build_backend
 from engine.loader import load_model
 from engine.models.llama import Linear
+from engine.models.moe import MoE
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -125,7 +126,16 @@ class Bench:
         params = sum(p.numel() for p in self.model.parameters())
         embed = self.model.model.embed_tokens.weight
         self.weight_bytes = (params - embed.numel()) * embed.element_size()
-        self.flops_per_token = 2 * (params - embed.numel()) // 1  # 2 FLOP per weight
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        routed = sum(m.experts.w13.numel() + m.experts.w2.numel() for m in self.moe_layers)
+        self.expert_params = 0
+        if self.moe_layers:
+            experts = self.moe_layers[0].experts
+            self.expert_params = experts.w13[0].numel() + experts.w2[0].numel()
+        active = routed - len(self.moe_layers) * self.expert_params * (
+            cfg.moe.top_k if cfg.moe else 0
+        )  # the routed experts a token does not run
+        self.flops_per_token = 2 * (params - embed.numel() - active)  # 2 FLOP per weight
         self.lm_head_flops = 2 * cfg.hidden_size * cfg.vocab_size  # one sampled row only
         self._ids = 0
         self.capture_s = None
@@ -144,13 +154,16 @@ class Bench:
     def decode(self, batch: int, context: int, repeats: int, eager: bool = False) -> dict:
         per_seq = -(-context // BLOCK)
         ids = self._register(batch)
-        chunks = [
+        vocab = self.config.vocab_size
+        chunks = [  # a token of its own per row: an MoE layer routes the rows apart
             ScheduledChunk(
-                rid, [7], context - 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True
+                rid, [(7 + 13 * i) % vocab], context - 1,
+                list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)), True,
             )
             for i, rid in enumerate(ids)
-        ]
+        ]  # fmt: skip
         plan = StepPlan(chunks=chunks)
+        weight_bytes = self.step_weight_bytes(plan)
         graphs, runner = self.runner.graphs, self.runner
         if eager:
             runner.graphs = None
@@ -170,10 +183,12 @@ class Bench:
             forward_ms = None
         runner.graphs = graphs
         runner.execute(StepPlan(finished_ids=ids))
-        floor = (self.weight_bytes + batch * context * self.kv_bytes_per_token) / COPY_BW
+        floor = (weight_bytes + batch * context * self.kv_bytes_per_token) / COPY_BW
         out = {
             "batch": batch,
             "context": context,
+            "weight_bytes_read": weight_bytes,
+            "kv_bytes_read": batch * context * self.kv_bytes_per_token,
             "cuda_graph": graphed,
             "step_ms": seconds * 1e3,
             "tok_s": batch / seconds,
@@ -185,6 +200,27 @@ class Bench:
             out["forward_gpu_ms"] = forward_ms
             out["forward_fraction_of_roofline"] = floor * 1e3 / forward_ms
         return out
+
+    def step_weight_bytes(self, plan: StepPlan) -> int:
+        """Weight bytes the decode step ``plan`` reads: every dense weight and, of each MoE
+        layer's routed experts, only those its tokens chose (counted on one eager run)."""
+        if not self.moe_layers:
+            return self.weight_bytes
+        chosen: list[int] = []
+        hooks = [
+            m.gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[1].unique().numel()))
+            for m in self.moe_layers
+        ]
+        graphs, self.runner.graphs = self.runner.graphs, None
+        try:
+            self.runner.execute(plan)
+        finally:
+            self.runner.graphs = graphs
+            for h in hooks:
+                h.remove()
+        size = self.model.model.embed_tokens.weight.element_size()
+        every = len(self.moe_layers) * self.moe_layers[0].experts.w13.shape[0]
+        return self.weight_bytes - (every - sum(chosen)) * self.expert_params * size
 
     def skinny_ab(self, points, repeats: int) -> list[dict]:
         """Decode steps with the skinny GEMV kernel, then with every projection on the
@@ -324,7 +360,8 @@ class Bench:
         cfg = self.config
         (rid,) = self._register(1)
         blocks = list(range(1, 1 + -(-tokens // BLOCK)))
-        plan = StepPlan(chunks=[ScheduledChunk(rid, [7] * tokens, 0, blocks, True)])
+        prompt = [(7 + 13 * j) % cfg.vocab_size for j in range(tokens)]  # routed apart
+        plan = StepPlan(chunks=[ScheduledChunk(rid, prompt, 0, blocks, True)])
         seconds = _cuda_time(lambda: self.runner.execute(plan), repeats)
         self.runner.execute(StepPlan(finished_ids=[rid]))
         attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
@@ -522,9 +559,10 @@ def main() -> None:
     ab_points = parse(args.skinny_ab) if args.device == "cuda" else []
     skinny_ab = bench.skinny_ab(ab_points, args.repeats) if ab_points else []
     prefill = [bench.prefill(t, max(2, args.repeats // 5)) for t in prefill_lens]
-    kernel_points = [(1, 1024), (64, 1024), (64, 8192)] if args.device == "cuda" else []
+    gqa_cuda = args.device == "cuda" and bench.config.mla is None  # the next two index GQA
+    kernel_points = [(1, 1024), (64, 1024), (64, 8192)] if gqa_cuda else []
     kernels = [bench.kernels(b, c) for b, c in kernel_points]
-    block_sweep = bench.decode_block_sweep() if args.device == "cuda" else []
+    block_sweep = bench.decode_block_sweep() if gqa_cuda else []
     report = {
         "benchmark": "gpu_engine",
         **machine_info(),

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmark in one command on the H200 (bench/README.md, GPU).
 #
-#   bench/gpu_engine.sh [tests] [bench] [serve] [quick]
+#   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_moe] [ds_step]
+#                       [ds_serve]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
 # runs what is asked: the CUDA tests of the engine, the full benchmark with transformers
 # (JSON to $OUT/gpu_engine.json), ferry serve --device cuda end to end, or a quick
-# benchmark of two decode points.
+# benchmark of two decode points; for DeepSeek-V3-class models: the MLA and MoE kernels'
+# CUDA tests with the engine's MoE/MLA CUDA tests, their benchmark (bench/mla_moe_speed.py),
+# the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
+# two copies of its 74 GB do not fit one GPU).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 tar -xJf .gpu/site.tar.xz -C /tmp
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export TILELANG_CACHE_DIR=/tmp/tlcache
+export TILELANG_DEFAULT_TARGET='{"kind":"cuda","arch":"sm_90a"}'  # the key a CPU-built cache has
 mkdir -p "$TILELANG_CACHE_DIR"
 [ -f .tlcache/tlcache.tar.xz ] && tar -xJf .tlcache/tlcache.tar.xz -C "$TILELANG_CACHE_DIR"
 COMMIT=$(cat .tlcache/commit 2>/dev/null || echo unknown)
@@ -35,6 +40,25 @@ for step in "$@"; do
     bench)
       python3 -m bench.gpu_engine --hf --commit "$COMMIT" --out "$OUT/gpu_engine.json" \
         2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 || status=1 ;;
+    mla_moe_tests)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
+        tests/kernels/test_mla_moe_references.py tests/engine/test_cuda_mla_moe_kernels.py \
+        "tests/engine/test_cuda_graphs.py::test_cuda_graph_decode_of_moe_models_matches_eager" \
+        2>&1 | tee "$OUT/mla_moe_tests.log" | tail -25 || status=1 ;;
+    mla_moe)
+      python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
+        2>&1 | tee "$OUT/mla_moe.log" | grep -v Warning | tail -40 || status=1 ;;
+    ds_step)
+      python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
+        --eager-points 1x1024 --skinny-ab "" --prefill 4096 --engine-step "" --repeats 10 \
+        --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l.json" \
+        2>&1 | tee "$OUT/ds_step.log" | grep -v Warning | tail -12 || status=1 ;;
+    ds_serve)
+      python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
+        --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 \
+        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
+        --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l.json" \
+        2>&1 | tee "$OUT/ds_serve.log" | tail -8 || status=1 ;;
     serve)
       python3 -m pytest -q -x -p no:cacheprovider tests/server/test_serve_cuda.py \
         2>&1 | tee "$OUT/serve.log" | tail -15 || status=1 ;;

@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info  # noqa: E402
 from kernels import gemv as gv  # noqa: E402
+from kernels import mla_decode as mla  # noqa: E402
+from kernels import moe  # noqa: E402
 from kernels import norm_rope_cache as nrc  # noqa: E402
 from kernels import paged_decode_attention as dec  # noqa: E402
 from kernels import prefill_attention as pre  # noqa: E402
@@ -476,6 +478,8 @@ def _build(cfg) -> float:
         nrc.RopeConfig: nrc.build_rope_kernel,
         nrc.CacheWriteConfig: nrc.build_cache_write_kernel,
         gv.GemvConfig: gv.build_gemv_kernel,
+        mla.MLADecodeConfig: mla.build_mla_decode_kernel,
+        moe.GroupedGemmConfig: moe.build_grouped_gemm_kernel,
     }[type(cfg)]
     builder(cfg)
     return time.perf_counter() - start

@@ -13,6 +13,11 @@ import it on first use, so CPU-only machines can use the references.
 - ``norm_rope_cache``: fused residual add + RMSNorm, rotary embedding in place, and the
   KV-cache write by slot mapping.
 - ``activation``: SiLU-and-mul, the SwiGLU gate over the fused gate/up projection.
+- ``gemv``: the skinny linear layer of decode at 1-4 rows.
+- ``mla_decode``: multi-head latent attention at decode over the paged latent cache
+  (absorbed form, 64 heads per CTA, split-K with a combine), DeepSeek-V3's decode path.
+- ``moe``: the routed experts of an MoE layer as a grouped GEMM over the tokens each
+  expert received (gate/up with the SiLU fused, down with the routing weight fused).
 """
 
 from kernels._tl import ATTENTION_DTYPES, kernels_usable, tilelang_available

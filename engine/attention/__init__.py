@@ -2,8 +2,8 @@
 
 Two kinds: ``gqa`` (``AttentionBackend``: per-head k and v in the cache; TileLang kernels
 on CUDA, C kernels around torch SDPA on the CPU (``cpu_backend``), torch SDPA elsewhere)
-and ``mla`` (``MLABackend``: one latent per token; torch ops everywhere until a kernel
-registers as ``tilelang``). ``build_backend`` reads which kind a model needs from its
+and ``mla`` (``MLABackend``: one latent per token; the TileLang decode kernel on CUDA,
+torch ops for everything else). ``build_backend`` reads which kind a model needs from its
 config.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, MLABackend
 from engine.attention.cpu_backend import CpuBackend
 from engine.attention.tilelang_backend import TileLangBackend
+from engine.attention.tilelang_mla import TileLangMLABackend
 from engine.attention.torch_mla import TorchMLABackend
 from engine.attention.torch_sdpa import TorchSDPABackend
 from engine.config import ModelConfig
@@ -20,7 +21,7 @@ from kvstore.layout import KVCache
 
 _BACKENDS: dict[str, dict[str, type]] = {
     "gqa": {"torch": TorchSDPABackend, "tilelang": TileLangBackend, "cpu": CpuBackend},
-    "mla": {"torch": TorchMLABackend},
+    "mla": {"torch": TorchMLABackend, "tilelang": TileLangMLABackend},
 }
 
 

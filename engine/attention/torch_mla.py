@@ -49,18 +49,25 @@ class TorchMLABackend(MLABackend):
         self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Absorbed attention, one query per sequence (module docstring)."""
-        mla = self.mla
         w_uk, w_uv = self._up_projections(kv_b)
-        rows, mask = padded_contexts(cache, meta)  # [B, L, R + rope]
-        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk.to(q.dtype))
-        query = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(2).to(rows.dtype)
+        query = torch.cat((q_latent, q_pe), dim=-1).to(cache.dtype)  # [B, H, R + rope]
+        out = self.attend_latents(cache, query, meta)  # [B, H, R]
+        return torch.einsum("bhr,hvr->bhv", out.to(q.dtype), w_uv.to(q.dtype))
+
+    def attend_latents(
+        self, cache: torch.Tensor, query: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every head of ``query [B, H, R + rope]`` over its sequence's cached latents as
+        one shared key/value head (keys ``[c, k_pe]``, values ``c``) → ``[B, H, R]``."""
+        rows, mask = padded_contexts(cache, meta)  # [B, L, R + rope]
         keys = rows.unsqueeze(1)  # one head that every query head shares
-        values = keys[..., : mla.kv_lora_rank]
+        values = keys[..., : self.mla.kv_lora_rank]
         out = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            query.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )  # [B, H, 1, R]
-        return torch.einsum("bhr,hvr->bhv", out.squeeze(2).to(q.dtype), w_uv.to(q.dtype))
+        return out.squeeze(2)
 
     def prefill(
         self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata

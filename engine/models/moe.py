@@ -14,14 +14,17 @@ w2)``, a pure function of the tokens, the routing and the stacked expert weights
 - returns [T, H] in ``hidden``'s dtype: ``sum_k topk_weights[t, k] *
   w2[e] (silu(gate_e(x)) * up_e(x))`` with ``e = topk_ids[t, k]``.
 
-A grouped-GEMM kernel, or an expert-parallel dispatcher (tokens to the ranks that own
-their experts and back), takes its place without the model changing. The torch version
-here sorts the (token, expert) pairs by expert and runs one product pair per expert that
-has tokens; that reads the per-expert counts on the host. While a CUDA graph is being
-captured it runs ``moe_experts_dense`` instead: every expert over every token, weighted
-by zero where a token did not choose it — no host synchronisation, the same sum, at the
-cost of reading every expert's weights each step (what a decode batch that touches
-every expert reads anyway). The kernel replaces both.
+On CUDA it is the grouped-GEMM kernel ``kernels.moe.fused_moe`` (tokens sorted by
+expert on the device, gate/up with the SiLU fused, down with the routing weight fused):
+no host synchronisation, so a decode step captures in a CUDA graph and reads only the
+chosen experts' weights. An expert-parallel dispatcher (tokens to the ranks that own
+their experts and back) takes its place the same way, without the model changing.
+Elsewhere (the CPU, float32, shapes the kernel does not take) the torch version sorts the
+(token, expert) pairs by expert and runs one product pair per expert that has tokens;
+that reads the per-expert counts on the host. While a CUDA graph is being captured
+without the kernel it runs ``moe_experts_dense`` instead: every expert over every token,
+weighted by zero where a token did not choose it — the same sum, at the cost of reading
+every expert's weights each step.
 
 The router computes in float32 (``keeps_float32``: ``build_model`` leaves its weight and
 bias in float32 whatever the model's dtype), as transformers keeps DeepSeek's router.
@@ -38,6 +41,7 @@ from torch import nn
 
 from engine.config import ModelConfig, MoEConfig
 from engine.models.llama import LlamaMLP
+from kernels.moe import fused_moe, fused_moe_supported
 
 
 def moe_experts(
@@ -48,8 +52,22 @@ def moe_experts(
     w2: torch.Tensor,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring)."""
+    if fused_moe_supported(hidden, w13, w2):
+        return fused_moe(hidden, topk_ids, topk_weights, w13, w2)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
         return moe_experts_dense(hidden, topk_ids, topk_weights, w13, w2)
+    return moe_experts_sorted(hidden, topk_ids, topk_weights, w13, w2)
+
+
+def moe_experts_sorted(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """``moe_experts`` in torch ops: pairs sorted by expert, one product pair per expert
+    that has tokens (the per-expert counts are read on the host)."""
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.flatten()
     order = flat_ids.argsort(stable=True)

@@ -32,6 +32,48 @@ class PagedProblem:
         return [b - a for a, b in zip(starts, starts[1:])]
 
 
+@dataclass
+class PagedRows:
+    """Dense per-sequence rows scattered into shuffled blocks of one layer's cache."""
+
+    cache: torch.Tensor  # [num_blocks, block_size, width]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    rows: list[torch.Tensor]  # per sequence [L, width]
+
+
+def scatter_rows(
+    seq_lens: list[int],
+    width: int,
+    block_size: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    extra_blocks: int = 3,
+) -> PagedRows:
+    """Random rows per sequence in distinct, shuffled blocks, never block 0 (the null
+    block); unused cache rows and blocks hold noise, the tables one padding column."""
+    needed = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = 1 + sum(needed) + extra_blocks
+    cache = torch.randn(num_blocks, block_size, width, generator=gen).to(dtype)
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(needed + [1]) + 1  # one padding column of null blocks
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    rows = []
+    for b, (length, nb) in enumerate(zip(seq_lens, needed)):
+        blocks = [order.pop() for _ in range(nb)]
+        tables[b, :nb] = torch.tensor(blocks, dtype=torch.int32)
+        seq = torch.randn(length, width, generator=gen).to(dtype)
+        flat = cache[blocks].flatten(0, 1) if blocks else cache[:0].flatten(0, 1)
+        flat[:length] = seq
+        if blocks:
+            cache[blocks] = flat.view(nb, block_size, -1)
+        rows.append(seq)
+    return PagedRows(cache, tables, rows)
+
+
+def _generator(seed: int | None) -> torch.Generator:
+    return torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+
+
 def make_problem(
     seq_lens: list[int],
     query_lens: list[int],
@@ -46,32 +88,18 @@ def make_problem(
     seed: int | None = None,
 ) -> PagedProblem:
     """Fresh random problem; every sequence's blocks are distinct, shuffled, never block 0."""
-    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    needed = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = 1 + sum(needed) + extra_blocks
+    gen = _generator(seed)
     width = num_kv_heads * head_dim
-    cache = torch.randn(num_blocks, block_size, 2 * width, generator=gen).to(dtype)
-    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    max_blocks = max(needed + [1]) + 1  # one padding column of null blocks
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    ks, vs = [], []
-    for b, (length, nb) in enumerate(zip(seq_lens, needed)):
-        blocks = [order.pop() for _ in range(nb)]
-        tables[b, :nb] = torch.tensor(blocks, dtype=torch.int32)
-        kv = torch.randn(length, 2 * width, generator=gen).to(dtype)
-        flat = cache[blocks].flatten(0, 1) if blocks else cache[:0].flatten(0, 1)
-        flat[:length] = kv
-        if blocks:
-            cache[blocks] = flat.view(nb, block_size, -1)
-        ks.append(kv[:, :width].view(length, num_kv_heads, head_dim))
-        vs.append(kv[:, width:].view(length, num_kv_heads, head_dim))
+    paged = scatter_rows(seq_lens, 2 * width, block_size, dtype, gen, extra_blocks)
+    ks = [kv[:, :width].view(-1, num_kv_heads, head_dim) for kv in paged.rows]
+    vs = [kv[:, width:].view(-1, num_kv_heads, head_dim) for kv in paged.rows]
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     to = lambda t: t.to(device)
     return PagedProblem(
         to(q),
-        to(cache),
-        to(tables),
+        to(paged.cache),
+        to(paged.block_tables),
         to(torch.tensor(seq_lens, dtype=torch.int32)),
         to(starts),
         ks,
@@ -79,6 +107,60 @@ def make_problem(
         num_kv_heads,
         head_dim**-0.5,
     )
+
+
+@dataclass
+class MLAProblem:
+    """One absorbed query per sequence over a paged latent cache; ``latents[b]`` dense."""
+
+    q: torch.Tensor  # [B, H, R + P]
+    kv_cache: torch.Tensor  # [num_blocks, block_size, R + P]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    latents: list[torch.Tensor]  # per sequence [L, R + P]
+    kv_lora_rank: int
+    scale: float
+
+
+def make_mla_problem(
+    seq_lens: list[int],
+    *,
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int | None = None,
+) -> MLAProblem:
+    """Fresh random MLA decode problem (blocks as ``make_problem``'s)."""
+    gen = _generator(seed)
+    width = kv_lora_rank + rope_dim
+    paged = scatter_rows(seq_lens, width, block_size, dtype, gen)
+    q = torch.randn(len(seq_lens), num_heads, width, generator=gen).to(dtype)
+    to = lambda t: t.to(device)
+    return MLAProblem(
+        to(q),
+        to(paged.cache),
+        to(paged.block_tables),
+        to(torch.tensor(seq_lens, dtype=torch.int32)),
+        paged.rows,
+        kv_lora_rank,
+        (kv_lora_rank // 4 + rope_dim) ** -0.5,  # DeepSeek-V3: (128 + 64) ** -0.5
+    )
+
+
+def dense_mla_attention(p: MLAProblem) -> torch.Tensor:
+    """Attention of every head over its sequence's latents (keys [c, k_pe], values c),
+    float64 on the CPU: [B, H, R]; zeros for an empty context."""
+    batch, heads, _ = p.q.shape
+    out = torch.zeros(batch, heads, p.kv_lora_rank, dtype=torch.float64)
+    for b, latent in enumerate(p.latents):
+        if latent.shape[0]:
+            lat = latent.double()
+            weights = (p.q[b].cpu().double() @ lat.T * p.scale).softmax(dim=-1)
+            out[b] = weights @ lat[:, : p.kv_lora_rank]
+    return out
 
 
 def dense_attention(p: PagedProblem) -> torch.Tensor:

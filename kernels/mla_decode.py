@@ -1,0 +1,327 @@
+"""MLA decode attention over the paged latent cache, absorbed form, split-K with a combine.
+
+Multi-head latent attention at decode (``engine.attention.base.MLABackend``): the cache
+holds one latent per token and layer, ``[c, k_pe]`` (``kv_lora_rank`` R values, then the
+rotary key's ``rope`` P values; 512 + 64 for DeepSeek-V3), laid out ``[num_blocks,
+block_size, R + P]`` (``KVCacheLayout.for_mla``). The query has ``W_UK`` already folded in:
+``q [B, H, R + P]`` is ``[q_nope W_UK, q_pe]`` per head. Every head attends over the same
+latents, keys ``[c, k_pe]`` and values ``c``, so the output ``[B, H, R]`` stays in the latent
+space; the model applies ``W_UV`` after. ``block_tables[b, j]`` is the cache block holding
+tokens ``j*block_size : (j+1)*block_size`` of sequence b; it attends over its first
+``seq_lens[b]`` tokens.
+
+The kernel follows FlashMLA's shape: one CTA per (group of ``block_h`` = 64 heads, split,
+sequence) stacks its heads as the rows of one tile, so each latent byte is read once for
+64 heads, and walks its split's tiles of ``block_n`` tokens with an online softmax: two
+products for the scores (``q_c c^T`` over R, ``q_pe k_pe^T`` over P) and one for the
+output (``p c``), the accumulator ``[64, R]`` split by columns between two warpgroups.
+Head groups of one sequence are launched next to each other, so the second reads the
+latents from L2. A split writes a float32 partial output and its log-sum-exp (base 2);
+the combine kernel merges them. Splits that own no tokens weigh nothing; a sequence of
+length 0 gets zeros. With one split (batches that fill the GPU) the split kernel writes the
+output itself. Partial buffers come from torch's allocator per call and the grid is sized
+from host-side ints: no host-device synchronisation, so a CUDA graph can capture it.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
+
+LOG2E = 1.4426950408889634
+NUM_SMS_H200 = 132
+BLOCK_H = 64  # heads per CTA: the smallest M of a Hopper warpgroup MMA
+MIN_SPLIT_TOKENS = 1024  # fewer per split and the float32 partials cost more than the latents
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    """Everything a compiled MLA decode kernel is specialised on."""
+
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    block_size: int
+    dtype: str
+    scale: float
+    block_n: int = 64
+    num_stages: int = 2
+    threads: int = 256
+    combine: bool = True  # False: one split, the split kernel writes the output itself
+
+    def __post_init__(self) -> None:
+        if self.block_size % self.block_n:
+            raise ValueError(f"block_size {self.block_size} is not a multiple of {self.block_n}")
+        if self.kv_lora_rank % 64 or self.rope_dim % 16:
+            raise ValueError(f"latent {self.kv_lora_rank} + {self.rope_dim}: need R % 64, P % 16")
+
+    @property
+    def head_groups(self) -> int:
+        return -(-self.num_heads // BLOCK_H)
+
+
+def default_config(
+    num_heads: int,
+    kv_lora_rank: int,
+    rope_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    scale: float,
+) -> MLADecodeConfig:
+    return MLADecodeConfig(num_heads, kv_lora_rank, rope_dim, block_size, tl_dtype(dtype), scale)
+
+
+def build_mla_decode_kernel(cfg: MLADecodeConfig):
+    """Compile the split (and, when ``cfg.combine``, combine) kernels (imports TileLang)."""
+    import tilelang
+
+    factory = tilelang.jit(
+        out_idx=None, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+    )(_mla_decode_program)
+    return factory(
+        cfg.num_heads,
+        cfg.kv_lora_rank,
+        cfg.rope_dim,
+        cfg.block_size,
+        cfg.dtype,
+        cfg.scale,
+        cfg.block_n,
+        cfg.num_stages,
+        cfg.threads,
+        cfg.combine,
+    )
+
+
+def _mla_decode_program(
+    heads, rank, rope, block_size, dtype, scale, block_n, num_stages, threads, combine
+):
+    """The TileLang program: split kernel, then (when ``combine``) the combine kernel."""
+    import tilelang.language as T
+
+    accum = "float32"
+    width = rank + rope
+    groups = -(-heads // BLOCK_H)
+    log2_scale = scale * LOG2E
+    batch = T.dynamic("batch")
+    num_blocks = T.dynamic("num_blocks")
+    max_blocks = T.dynamic("max_blocks")
+    num_split = T.dynamic("num_split")
+
+    @T.macro
+    def combine_splits(lse_part, out_part, Out):
+        with T.Kernel(heads, batch, threads=128) as (h, b):
+            o = T.alloc_fragment([rank], accum)
+            lse_max = T.alloc_var(accum)
+            total = T.alloc_var(accum)
+            weight = T.alloc_var(accum)
+
+            lse_max = -T.infinity(accum)
+            for s in T.serial(num_split):
+                lse_max = T.max(lse_max, lse_part[b, h, s])
+            total = 0
+            T.clear(o)
+            for s in T.serial(num_split):
+                if lse_part[b, h, s] != -T.infinity(accum):  # an empty split wrote no output
+                    weight = T.exp2(lse_part[b, h, s] - lse_max)
+                    total += weight
+                    for d in T.Parallel(rank):
+                        o[d] += weight * out_part[b, h, s, d]
+            for d in T.Parallel(rank):
+                Out[b, h, d] = T.if_then_else(total > 0, o[d] / total, 0)
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([batch, heads, width], dtype),
+        KV: T.Tensor([num_blocks, block_size, width], dtype),
+        block_table: T.Tensor([batch, max_blocks], "int32"),
+        seq_lens: T.Tensor([batch], "int32"),
+        lse_part: T.Tensor([batch, heads, num_split], accum),
+        out_part: T.Tensor([batch, heads, num_split, rank], accum),
+        Out: T.Tensor([batch, heads, rank], dtype),
+    ):
+        with T.Kernel(groups, num_split, batch, threads=threads) as (hg, sid, b):
+            q_s = T.alloc_shared([BLOCK_H, rank], dtype)
+            q_pe_s = T.alloc_shared([BLOCK_H, rope], dtype)
+            kv_s = T.alloc_shared([block_n, rank], dtype)
+            k_pe_s = T.alloc_shared([block_n, rope], dtype)
+            p_s = T.alloc_shared([BLOCK_H, block_n], dtype)
+            acc_s = T.alloc_fragment([BLOCK_H, block_n], accum)
+            p_cast = T.alloc_fragment([BLOCK_H, block_n], dtype)
+            acc_o = T.alloc_fragment([BLOCK_H, rank], accum)
+            m = T.alloc_fragment([BLOCK_H], accum)
+            m_prev = T.alloc_fragment([BLOCK_H], accum)
+            rescale = T.alloc_fragment([BLOCK_H], accum)
+            row_sum = T.alloc_fragment([BLOCK_H], accum)
+            denom = T.alloc_fragment([BLOCK_H], accum)
+
+            seq_len = seq_lens[b]
+            num_tiles = T.ceildiv(seq_len, block_n)
+            per_split = T.ceildiv(num_tiles, num_split)
+            t0 = sid * per_split
+            n = T.max(T.min(t0 + per_split, num_tiles) - t0, 0)
+            h0 = hg * BLOCK_H
+
+            for i, d in T.Parallel(BLOCK_H, rank):
+                q_s[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, d], 0)
+            for i, d in T.Parallel(BLOCK_H, rope):
+                q_pe_s[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, rank + d], 0)
+            T.fill(acc_o, 0)
+            T.fill(denom, 0)
+            T.fill(m, -T.infinity(accum))
+
+            for k in T.Pipelined(n, num_stages=num_stages):
+                tok0 = (t0 + k) * block_n
+                blk = block_table[b, tok0 // block_size]
+                off = tok0 % block_size
+                T.copy(KV[blk, off : off + block_n, 0:rank], kv_s)
+                T.copy(KV[blk, off : off + block_n, rank:width], k_pe_s)
+                T.clear(acc_s)
+                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(q_pe_s, k_pe_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                if tok0 + block_n > seq_len:
+                    for i, j in T.Parallel(BLOCK_H, block_n):
+                        acc_s[i, j] = T.if_then_else(
+                            tok0 + j < seq_len, acc_s[i, j], -T.infinity(accum)
+                        )
+                T.copy(m, m_prev)
+                T.reduce_max(acc_s, m, dim=1, clear=False)
+                for i in T.Parallel(BLOCK_H):
+                    rescale[i] = T.exp2(m_prev[i] * log2_scale - m[i] * log2_scale)
+                for i, j in T.Parallel(BLOCK_H, block_n):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * log2_scale - m[i] * log2_scale)
+                T.reduce_sum(acc_s, row_sum, dim=1)
+                for i in T.Parallel(BLOCK_H):
+                    denom[i] = denom[i] * rescale[i] + row_sum[i]
+                T.copy(acc_s, p_s)
+                T.copy(p_s, p_cast)
+                for i, d in T.Parallel(BLOCK_H, rank):
+                    acc_o[i, d] *= rescale[i]
+                T.gemm(p_cast, kv_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+            if combine:
+                if n > 0:
+                    for i, d in T.Parallel(BLOCK_H, rank):
+                        if h0 + i < heads:
+                            out_part[b, h0 + i, sid, d] = acc_o[i, d] / denom[i]
+                    for i in T.Parallel(BLOCK_H):
+                        if h0 + i < heads:
+                            lse_part[b, h0 + i, sid] = T.log2(denom[i]) + m[i] * log2_scale
+                else:  # owns no tokens: weighs nothing, and its partial output is not read
+                    for i in T.Parallel(BLOCK_H):
+                        if h0 + i < heads:
+                            lse_part[b, h0 + i, sid] = -T.infinity(accum)
+            else:
+                for i, d in T.Parallel(BLOCK_H, rank):
+                    if h0 + i < heads:
+                        Out[b, h0 + i, d] = T.if_then_else(n > 0, acc_o[i, d] / denom[i], 0)
+
+        if combine:
+            combine_splits(lse_part, out_part, Out)
+
+    return main
+
+
+_KERNELS = KernelCache()
+
+
+def choose_num_splits(batch: int, num_heads: int, max_seq_len: int) -> int:
+    """Splits that fill about one wave of CTAs (one fits an SM), each over at least
+    ``MIN_SPLIT_TOKENS`` tokens; one split once the batch alone fills half the GPU."""
+    ctas = batch * -(-num_heads // BLOCK_H)
+    if 2 * ctas >= NUM_SMS_H200:
+        return 1
+    wanted = math.ceil(NUM_SMS_H200 / ctas)
+    return int(max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, 64)))
+
+
+def mla_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """True when ``mla_decode`` takes these operands (shapes, dtypes, device only)."""
+    width = kv_cache.shape[-1] if kv_cache.dim() == 3 else -1
+    rope = width - kv_lora_rank
+    return (
+        q.is_cuda
+        and q.dim() == 3
+        and kv_cache.dim() == 3
+        and q.shape[-1] == width
+        and q.dtype == kv_cache.dtype
+        and q.dtype in ATTENTION_DTYPES
+        and kv_lora_rank % 64 == 0
+        and 0 < kv_lora_rank <= 512
+        and rope > 0
+        and rope % 16 == 0
+        and kv_cache.shape[1] % 64 == 0
+    )
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA over the paged latent cache (module docstring).
+
+    ``q [B, H, R + P]`` (contiguous), ``kv_cache [num_blocks, block_size, R + P]``,
+    ``block_tables [B, max_blocks]`` and ``seq_lens [B]`` int32 → ``[B, H, R]`` in q's dtype.
+    ``max_seq_len`` (a host int: no device sync) bounds the sequence lengths and only sizes
+    the split count; without it the block table's width bounds them.
+    """
+    check_tensor("q", q, dtype=ATTENTION_DTYPES, ndim=3)
+    check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
+    check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
+    if not mla_decode_supported(q, kv_cache, kv_lora_rank):
+        raise ValueError(
+            f"mla_decode takes q [B, H, R + P] and a cache [N, bs % 64 == 0, R + P] with "
+            f"R % 64 == 0 (<= 512), P % 16 == 0; got q {tuple(q.shape)}, cache "
+            f"{tuple(kv_cache.shape)}, R {kv_lora_rank}"
+        )
+    batch, heads, width = q.shape
+    if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
+        raise ValueError("block_tables and seq_lens must have one row per query")
+    block_size = kv_cache.shape[1]
+    cfg = config or default_config(
+        heads, kv_lora_rank, width - kv_lora_rank, block_size, q.dtype, scale
+    )
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    splits = num_splits or choose_num_splits(batch, heads, max_seq_len)
+    cfg = replace(cfg, combine=splits > 1)
+    kernel = _KERNELS.get(cfg, lambda: build_mla_decode_kernel(cfg))
+    lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    out_part = torch.empty(batch, heads, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    if batch:
+        kernel(q, kv_cache, block_tables, seq_lens, lse_part, out_part, out)
+    return out
+
+
+def mla_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_lora_rank: int,
+    scale: float,
+) -> torch.Tensor:
+    """The same function in plain torch, float32 math; returns float32 ``[B, H, R]``."""
+    batch, heads, _ = q.shape
+    block_size = kv_cache.shape[1]
+    out = torch.zeros(batch, heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(seq_lens.tolist()):
+        if length == 0:
+            continue
+        blocks = block_tables[b, : -(-length // block_size)].long()
+        latent = kv_cache[blocks].flatten(0, 1)[:length].float()  # [L, R + P]
+        scores = (q[b].float() @ latent.T) * scale  # [H, L]
+        out[b] = scores.softmax(dim=-1) @ latent[:, :kv_lora_rank]
+    return out

@@ -1,0 +1,324 @@
+"""Mixture-of-experts expert compute: a grouped GEMM over the tokens each expert received.
+
+``fused_moe(hidden, topk_ids, topk_weights, w13, w2)`` computes, for every token t,
+``sum_k topk_weights[t, k] * w2[e] (silu(gate_e(x_t)) * up_e(x_t))`` with ``e =
+topk_ids[t, k]``; ``w13 [E, 2I, H]`` holds each expert's gate rows then its up rows, ``w2
+[E, H, I]`` its down projection (``engine.models.moe``'s layout). Three steps, none of
+which reads anything back to the host, so a decode step captures in a CUDA graph:
+
+1. ``moe_align`` (torch ops): the T*K (token, expert) pairs sorted by expert, each
+   expert's run padded to a multiple of ``block_m`` rows, as ``sorted_ids`` (the pair in
+   each padded row; ``T*K`` in padding rows) and ``block_expert`` (the expert of each
+   ``block_m``-row block; ``E`` for blocks past the last). Their sizes are upper bounds
+   that depend on T only: ``T*K + min(E, T*K) * (block_m - 1)`` rows.
+2. The tokens are gathered into that order (``index_select``), so every block of rows
+   is one contiguous tile: the kernels load it with the copy engine like the weights.
+3. Two TileLang kernels, one CTA per (row block, output tile):
+   ``gate_up``: ``h = silu(x w_gate^T) * (x w_up^T)`` with both products accumulated in
+   float32 and the SiLU in the epilogue, one rounding; ``down``: ``y = h w2^T`` times each
+   row's routing weight, scattered to the row's pair. Blocks past the last run no loop.
+   The pairs' outputs ``[T, K, H]`` are summed in float32 by torch.
+
+CTAs are launched in panels of ``GROUP_M`` row blocks × every output tile, row block
+fastest: the row blocks of one expert read each weight tile back to back (from L2 after
+the first), and a panel's token tiles stay in L2 while its output tiles go by. Decode
+(a few rows per expert) uses 16-row blocks, so a step reads each chosen expert's weights
+once at nearly the copy rate; prefill 64- or 128-row blocks on the warpgroup MMA.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, kernels_usable, tl_dtype
+
+GROUP_M = 8  # row blocks per launch panel
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """One of the two kernels (``gate_up`` or ``down``), specialised on shapes and tiles.
+
+    ``n`` output features (``I`` for gate_up, ``H`` for down), ``k`` the reduction
+    (``H``, resp. ``I``), ``experts`` E."""
+
+    kind: str  # "gate_up" | "down"
+    experts: int
+    n: int
+    k: int
+    dtype: str
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    threads: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gate_up", "down"):
+            raise ValueError(f"unknown grouped GEMM kind {self.kind!r}")
+        if self.n % self.block_n or self.k % self.block_k:
+            raise ValueError(f"tiles {self.block_n}x{self.block_k} do not divide {self.n}x{self.k}")
+
+
+def _largest_divisor(size: int, choices: tuple[int, ...]) -> int:
+    return next(c for c in choices if size % c == 0)
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Rows per block: 16 while experts average a few rows each (decode), 64 or 128 once
+    they receive enough tokens for the warpgroup MMA to pay (prefill)."""
+    per_expert = num_pairs / max(num_experts, 1)
+    return 16 if per_expert <= 24 else 64 if per_expert <= 96 else 128
+
+
+def kernel_configs(
+    experts: int, hidden: int, inter: int, dtype: torch.dtype, block_m: int
+) -> tuple[GroupedGemmConfig, GroupedGemmConfig]:
+    """The (gate_up, down) configs ``fused_moe`` uses for these shapes and rows per block."""
+    name = tl_dtype(dtype)
+    small = block_m < 64
+    threads = 128 if block_m <= 64 else 256
+    stages = 4 if small else 3
+    gate_up = GroupedGemmConfig(
+        "gate_up", experts, inter, hidden, name, block_m,
+        _largest_divisor(inter, (128, 64, 32, 16)), _largest_divisor(hidden, (64, 32, 16)),
+        stages, threads,
+    )  # fmt: skip
+    down = GroupedGemmConfig(
+        "down", experts, hidden, inter, name, block_m,
+        _largest_divisor(hidden, (128, 64, 32, 16)), _largest_divisor(inter, (64, 32, 16)),
+        stages + 1 if small else stages, threads,
+    )  # fmt: skip
+    return gate_up, down
+
+
+def build_grouped_gemm_kernel(cfg: GroupedGemmConfig):
+    """Compile one of the two kernels for ``cfg`` (imports TileLang)."""
+    import tilelang
+
+    program = _gate_up_program if cfg.kind == "gate_up" else _down_program
+    return tilelang.jit(out_idx=None)(program)(
+        cfg.experts, cfg.n, cfg.k, cfg.dtype, cfg.block_m, cfg.block_n, cfg.block_k,
+        cfg.num_stages, cfg.threads,
+    )  # fmt: skip
+
+
+def _tile_of(bid, m_blocks, n_tiles):
+    """(row block, output tile) of CTA ``bid`` in panels of ``GROUP_M`` row blocks."""
+    import tilelang.language as T
+
+    per_panel = GROUP_M * n_tiles
+    panel = bid // per_panel
+    in_panel = bid % per_panel
+    panel_m = T.min(GROUP_M, m_blocks - panel * GROUP_M)
+    return panel * GROUP_M + in_panel % panel_m, in_panel // panel_m
+
+
+def _gate_up_program(experts, inter, hidden, dtype, block_m, block_n, block_k, stages, threads):
+    import tilelang.language as T
+
+    accum = "float32"
+    rows = T.dynamic("rows")
+    m_blocks = T.dynamic("m_blocks")
+    n_tiles = inter // block_n
+
+    @T.prim_func
+    def main(
+        X: T.Tensor([rows, hidden], dtype),
+        W13: T.Tensor([experts, 2 * inter, hidden], dtype),
+        block_expert: T.Tensor([m_blocks], "int32"),
+        Out: T.Tensor([rows, inter], dtype),
+    ):
+        with T.Kernel(m_blocks * n_tiles, threads=threads) as bid:
+            a_s = T.alloc_shared([block_m, block_k], dtype)
+            wg_s = T.alloc_shared([block_n, block_k], dtype)
+            wu_s = T.alloc_shared([block_n, block_k], dtype)
+            acc_g = T.alloc_fragment([block_m, block_n], accum)
+            acc_u = T.alloc_fragment([block_m, block_n], accum)
+            h = T.alloc_fragment([block_m, block_n], dtype)
+
+            mb, nb = _tile_of(bid, m_blocks, n_tiles)
+            expert = block_expert[mb]
+            e = T.min(expert, experts - 1)
+            steps = T.if_then_else(expert < experts, hidden // block_k, 0)
+            T.clear(acc_g)
+            T.clear(acc_u)
+            for k in T.Pipelined(steps, num_stages=stages):
+                T.copy(X[mb * block_m, k * block_k], a_s)
+                T.copy(W13[e, nb * block_n, k * block_k], wg_s)
+                T.copy(W13[e, inter + nb * block_n, k * block_k], wu_s)
+                T.gemm(a_s, wg_s, acc_g, transpose_B=True)
+                T.gemm(a_s, wu_s, acc_u, transpose_B=True)
+            for i, j in T.Parallel(block_m, block_n):
+                h[i, j] = T.cast(acc_g[i, j] / (1.0 + T.exp(-acc_g[i, j])) * acc_u[i, j], dtype)
+            T.copy(h, Out[mb * block_m, nb * block_n])
+
+    return main
+
+
+def _down_program(experts, hidden, inter, dtype, block_m, block_n, block_k, stages, threads):
+    import tilelang.language as T
+
+    accum = "float32"
+    rows = T.dynamic("rows")
+    m_blocks = T.dynamic("m_blocks")
+    num_pairs = T.dynamic("num_pairs")
+    n_tiles = hidden // block_n
+
+    @T.prim_func
+    def main(
+        Hs: T.Tensor([rows, inter], dtype),
+        W2: T.Tensor([experts, hidden, inter], dtype),
+        block_expert: T.Tensor([m_blocks], "int32"),
+        sorted_ids: T.Tensor([rows], "int32"),
+        pair_weights: T.Tensor([num_pairs], accum),
+        Y: T.Tensor([num_pairs, hidden], dtype),
+    ):
+        with T.Kernel(m_blocks * n_tiles, threads=threads) as bid:
+            a_s = T.alloc_shared([block_m, block_k], dtype)
+            w_s = T.alloc_shared([block_n, block_k], dtype)
+            acc = T.alloc_fragment([block_m, block_n], accum)
+
+            mb, nb = _tile_of(bid, m_blocks, n_tiles)
+            expert = block_expert[mb]
+            e = T.min(expert, experts - 1)
+            steps = T.if_then_else(expert < experts, inter // block_k, 0)
+            T.clear(acc)
+            for k in T.Pipelined(steps, num_stages=stages):
+                T.copy(Hs[mb * block_m, k * block_k], a_s)
+                T.copy(W2[e, nb * block_n, k * block_k], w_s)
+                T.gemm(a_s, w_s, acc, transpose_B=True)
+            for i, j in T.Parallel(block_m, block_n):
+                pair = sorted_ids[mb * block_m + i]
+                if pair < num_pairs:
+                    Y[pair, nb * block_n + j] = T.cast(acc[i, j] * pair_weights[pair], dtype)
+
+    return main
+
+
+_KERNELS = KernelCache()
+
+
+@dataclass(frozen=True)
+class MoEAlignment:
+    """The pairs in expert order, padded per expert to whole blocks (module docstring)."""
+
+    sorted_ids: torch.Tensor  # [rows] int32: the pair (t * K + k) in each row; T*K = padding
+    block_expert: torch.Tensor  # [rows // block_m] int32: each block's expert; E = no expert
+    block_m: int
+
+    @property
+    def rows(self) -> int:
+        return self.sorted_ids.shape[0]
+
+
+def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the padded order can need at most (every expert's run padded to a block)."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return math.ceil(rows / block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Sort the pairs of ``topk_ids [T, K]`` by expert, each expert's run starting on a
+    block of ``block_m`` rows. Torch ops only, no host synchronisation (any device)."""
+    flat = topk_ids.flatten().long()
+    pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = flat.argsort(stable=True)
+    experts = flat[order]
+    rank = torch.arange(pairs, device=device) - start[experts]
+    rows = max_rows(pairs, num_experts, block_m)
+    sorted_ids = torch.full((rows,), pairs, dtype=torch.int32, device=device)
+    sorted_ids[padded_start[experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, rows, block_m, device=device)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return MoEAlignment(sorted_ids, block_expert, block_m)
+
+
+def fused_moe_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """True when ``fused_moe`` takes these operands (device, dtypes, shapes)."""
+    if not (hidden.dim() == 2 and w13.dim() == 3 and w2.dim() == 3):
+        return False
+    experts, two_inter, width = w13.shape
+    inter = two_inter // 2
+    return (
+        kernels_usable(hidden.device)
+        and hidden.dtype in ATTENTION_DTYPES
+        and w13.dtype == hidden.dtype
+        and w2.dtype == hidden.dtype
+        and width == hidden.shape[1]
+        and tuple(w2.shape) == (experts, width, inter)
+        and two_inter % 2 == 0
+        and width % 16 == 0
+        and inter % 16 == 0
+        and w13.is_contiguous()
+        and w2.is_contiguous()
+    )
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    block_m: int | None = None,
+) -> torch.Tensor:
+    """The routed experts' weighted sum per token (module docstring): ``hidden [T, H]``,
+    ``topk_ids [T, K]`` (any integer dtype), ``topk_weights [T, K]`` → ``[T, H]`` in
+    ``hidden``'s dtype. ``block_m`` overrides the rows per block (benchmarks)."""
+    check_tensor("w13", w13, dtype=ATTENTION_DTYPES, ndim=3, device=hidden.device)
+    check_tensor("w2", w2, dtype=w13.dtype, ndim=3, device=hidden.device)
+    if not fused_moe_supported(hidden, w13, w2):
+        raise ValueError(
+            f"fused_moe takes hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] (bf16/fp16 on "
+            f"CUDA, H and I multiples of 16); got {tuple(hidden.shape)}, {tuple(w13.shape)}, "
+            f"{tuple(w2.shape)}"
+        )
+    tokens, top_k = topk_ids.shape
+    experts, width = w13.shape[0], w13.shape[2]
+    if tokens == 0:
+        return hidden.new_zeros(0, width)
+    pairs = tokens * top_k
+    block_m = block_m or block_m_for(pairs, experts)
+    gate_up_cfg, down_cfg = kernel_configs(experts, width, w2.shape[2], hidden.dtype, block_m)
+    align = moe_align(topk_ids, experts, block_m)
+    x = hidden.contiguous().index_select(0, (align.sorted_ids.clamp(max=pairs - 1) // top_k))
+    h = torch.empty(align.rows, w2.shape[2], dtype=hidden.dtype, device=hidden.device)
+    _KERNELS.get(gate_up_cfg, lambda: build_grouped_gemm_kernel(gate_up_cfg))(
+        x, w13, align.block_expert, h
+    )
+    y = torch.empty(pairs, width, dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.flatten().float().contiguous()
+    _KERNELS.get(down_cfg, lambda: build_grouped_gemm_kernel(down_cfg))(
+        h, w2, align.block_expert, align.sorted_ids, weights, y
+    )
+    return y.view(tokens, top_k, width).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+
+def fused_moe_ref(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+) -> torch.Tensor:
+    """The same function in float32 torch ops, expert by expert; returns float32 [T, H]."""
+    out = torch.zeros(hidden.shape[0], w13.shape[2], dtype=torch.float32, device=hidden.device)
+    inter = w2.shape[2]
+    for expert in topk_ids.unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        x = hidden[token].float()
+        gate_up = x @ w13[expert].float().T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = h @ w2[expert].float().T
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out
