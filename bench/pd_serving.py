@@ -5,9 +5,9 @@ engine, measured with ``ferry bench`` at concurrency 1 and 16, in one run.
         [--num-requests 8 32] [--input-len 256] [--output-len 32] [--threads 1]
         [--serve-flags "..."] [--out bench/results/pd_vs_aggregated_cpu.json]
 
-On the GPU machine: ``--model dummy:llama3-8b --topologies aggregated pd-tcp
+On the GPU machine: ``--model dummy:llama3-8b --topologies aggregated pd-ipc pd-tcp
 --serve-flags "--device cuda --dtype bfloat16 ..."`` (shm needs CPU caches; on one GPU
-the two workers move KV over tcp).
+the two workers move KV device to device over CUDA IPC, or over tcp through host memory).
 
 Each topology is a fresh ``ferry serve`` on a free port (``--aggregated`` vs the
 default with ``--kv-transport`` shm and tcp); each load point is one ``ferry bench``
@@ -23,6 +23,7 @@ compared in one run on the same machine state. Results then go under ``baseline`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import subprocess
@@ -60,10 +61,13 @@ def serve(flags: list[str], log: Path, root: Path = ROOT) -> tuple[subprocess.Po
     raise RuntimeError(f"ferry serve did not start:\n{log.read_text()[-3000:]}")
 
 
-def bench_point(url: str, concurrency: int, requests: int, args, out: Path) -> dict:
+def bench_point(
+    url: str, concurrency: int, requests: int, lens: tuple[int, int], out: Path
+) -> dict:
+    """One ``ferry bench`` run of ``lens`` = (input, output) tokens; its summary."""
     cmd = [*_ferry(), "bench", "--url", url, "--workload", "random",
            "--concurrency", str(concurrency), "--num-requests", str(requests),
-           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--input-len", str(lens[0]), "--output-len", str(lens[1]),
            "--seed", "0", "--out", str(out)]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())["summary"]
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", nargs="+", type=int, default=[8, 32])
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--workloads", nargs="+", default=[],
+                        help="INxOUT token lengths, each measured at every concurrency "
+                             "(instead of --input-len/--output-len)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--topologies", nargs="+", default=["aggregated", "pd-shm", "pd-tcp"])
     parser.add_argument("--serve-flags", default="", help="more ferry serve flags, one string")
@@ -94,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         "aggregated": ["--aggregated"],
         "pd-shm": ["--kv-transport", "shm"],
         "pd-tcp": ["--kv-transport", "tcp"],
+        "pd-ipc": [],  # the default on CUDA: cuda_ipc (server.serve.kv_transport)
     }
+    workloads = [((args.input_len, args.output_len), "")]  # (lens, tag of the result key)
+    if args.workloads:
+        workloads = [(tuple(int(v) for v in w.split("x")), f"{w}_") for w in args.workloads]
+    points = list(zip(args.concurrency, args.num_requests))
     tmp = Path(tempfile.mkdtemp(prefix="ferry-pd-bench-"))
     report = {**machine_info(), "args": vars(args), "topologies": {}}
     if args.commit:
@@ -111,11 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for name in roots:
                 results[name][topo] = {}
-            for c, n in zip(args.concurrency, args.num_requests):
+            for (lens, tag), (c, n) in itertools.product(workloads, points):
                 for name, (_, url) in servers.items():
-                    s = bench_point(url, c, n, args, tmp / f"{name}-{topo}-c{c}.json")
-                    results[name][topo][f"c{c}"] = s
-                    print(f"{name} {topo} c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl "
+                    s = bench_point(url, c, n, lens, tmp / f"{name}-{topo}-{tag}c{c}.json")
+                    results[name][topo][f"{tag}c{c}"] = s
+                    print(f"{name} {topo} {tag}c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl "
                           f"p50 {s['itl_ms']['p50']:.1f} ms, output "
                           f"{s['output_throughput']:.0f} tok/s, failed {s['failed']}",
                           flush=True)  # fmt: skip

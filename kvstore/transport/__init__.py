@@ -1,8 +1,10 @@
 """KV transports: one contract (``base.KVTransport``), backends chosen by name.
 
-``shm`` (same host, written straight into the receiver's shared-memory cache), ``tcp``
-(any host: framed, checksummed, back-pressured) and ``nccl`` (GPU point-to-point, one
-two-rank group per sender/receiver pair, met through the receiver's TCPStore).
+``shm`` (same host, written straight into the receiver's shared-memory cache),
+``cuda_ipc`` (workers sharing a GPU: written device to device into the receiver's CUDA
+cache through its IPC handle), ``tcp`` (any host: framed, checksummed, back-pressured)
+and ``nccl`` (GPU point-to-point, one two-rank group per sender/receiver pair, met
+through the receiver's TCPStore).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ TRANSPORTS: dict[str, str] = {
     "shm": "kvstore.transport.shm:ShmTransport",
     "tcp": "kvstore.transport.tcp:TcpTransport",
     "nccl": "kvstore.transport.nccl:NcclTransport",
+    "cuda_ipc": "kvstore.transport.cuda_ipc:CudaIpcTransport",
 }
 
 
