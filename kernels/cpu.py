@@ -134,11 +134,18 @@ class CpuKernels:
         )  # fmt: skip
         return out
 
+    @staticmethod
+    def rope_supported(x: torch.Tensor) -> bool:
+        """Whether ``rope`` takes ``x`` as it is (float32, heads and D contiguous)."""
+        return x.dim() == 3 and x.dtype == torch.float32 and x.stride(2) == 1 and (
+            x.stride(1) == x.shape[2]
+        )
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
         """Rotate ``x [T, H, D]`` in place (rotate-half form) by ``cos_sin[positions]``.
         ``x`` may be a row slice of a wider matrix: heads and D contiguous, any row stride."""
         t, heads, d = x.shape
-        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
+        if not self.rope_supported(x):
             raise ValueError("rope: x must be float32 [T, H, D] with contiguous heads")
         _check(positions, torch.int64, "rope positions")
         _check(cos_sin, torch.float32, "rope cos_sin")

@@ -7,8 +7,9 @@
 - ``POST /v1/responses`` (JSON or typed SSE events; ``server.responses``), ``GET`` and
   ``DELETE /v1/responses/{id}`` for stored responses,
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
-- ``GET /health`` (200 while the engine is healthy, else 503; with worker pools, a JSON
-  body lists each worker and whether it is alive), ``GET /metrics``,
+- ``GET /health`` (liveness: 200 while this process serves; with worker pools, a JSON
+  body lists each worker and whether it is alive), ``GET /ready`` (readiness: 200 while
+  requests can be served and the server is not draining, else 503), ``GET /metrics``,
 - ``GET /openapi.json``: the public routes with their request bodies (``server.openapi``).
 
 Workers do not come here: the control plane has a listener of its own
@@ -53,10 +54,11 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 REQUEST_BODIES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
 }
 _ENDPOINTS = {
     "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health",
-    "/metrics",
+    "/ready", "/metrics",
 }  # fmt: skip
 
 
@@ -78,6 +80,7 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     app = FastAPI(title="ferry", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
     app.state.client = client
+    app.state.draining = False  # set when the server is shutting down (server.serve)
     app.state.metrics = metrics
     app.state.response_store = ResponseStore(config.response_store_size,
                                              config.response_store_ttl_s)  # fmt: skip
@@ -102,12 +105,19 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        client = request.app.state.client
-        status = 200 if client.is_healthy else 503
-        body = client.health()  # with worker pools: which workers are alive
+        """Liveness: 200 while this process serves; the body says what runs behind it."""
+        body = request.app.state.client.health()  # with worker pools: each worker
         if body is None:
-            return Response(status_code=status)
-        return Response(json.dumps(body), status, media_type="application/json")
+            return Response(status_code=200)
+        return Response(json.dumps(body), 200, media_type="application/json")
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        """Readiness: 200 while requests can be served (the engine, or at least one live
+        prefill and one live decode worker) and the server is not shutting down."""
+        ok = request.app.state.client.is_healthy and not request.app.state.draining
+        body = {"ready": ok, "draining": request.app.state.draining}
+        return Response(json.dumps(body), 200 if ok else 503, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

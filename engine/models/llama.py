@@ -174,7 +174,8 @@ class RotaryEmbedding(nn.Module):
 
             return rotary_embedding(positions, q, k, self.cos_sin)
         cpu = cpu_kernels_for(q)
-        if cpu is not None and k.dtype == torch.float32 and positions.dtype == torch.int64:
+        if (cpu is not None and positions.dtype == torch.int64 and cpu.rope_supported(q)
+                and cpu.rope_supported(k)):  # fmt: skip
             cpu.rope(q, positions, self.cos_sin)
             cpu.rope(k, positions, self.cos_sin)
             return q, k
