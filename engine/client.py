@@ -78,7 +78,9 @@ class ServingClient(Protocol):
     body of ``/health`` (None: status only), ``stats`` the engines' summed figures, and
     ``collectors`` their own Prometheus collectors. ``join`` starts attaching a worker
     that announced itself (the task ends once it is ready, or with why not) or raises
-    ``WorkerRefused`` at once.
+    ``WorkerRefused`` at once. ``num_in_flight`` counts the requests being generated;
+    ``stop_all`` ends every one of them with ``EngineDeadError(reason)`` (a server that
+    is shutting down).
     """
 
     tokenizer: Any
@@ -106,6 +108,11 @@ class ServingClient(Protocol):
     def collectors(self) -> list: ...
 
     def join(self, name: str, role: str, address: str) -> asyncio.Task: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def stop_all(self, reason: str) -> None: ...
 
 
 class EngineClient:
@@ -200,6 +207,16 @@ class EngineClient:
                 if queue is not None and not offer(queue, out):
                     self._queues.pop(out.request_id)
                     self._engine.send(Abort([out.request_id]))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def stop_all(self, reason: str) -> None:
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(EngineDeadError(reason))
+            self._engine.send(Abort([rid]))
+        self._queues.clear()
 
     def _died(self, engine: WorkerHandle) -> None:
         reason = engine.dead or "engine process exited"

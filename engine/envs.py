@@ -45,6 +45,9 @@ KV_DIR: EnvVar[str | None] = EnvVar(
 )
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every ferry process's
+
+
 def user_cache_dir() -> str:
     """The user's cache directory: ``$XDG_CACHE_HOME``, else ``~/.cache``."""
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")

@@ -6,8 +6,10 @@ prefill worker (``prefill``), a decode worker (``decode``). Whatever the role:
 - frontend → worker: the role's own inputs (an ``EngineRequest`` here, or a role's
   message that carries one), ``Abort`` and ``Shutdown``;
 - worker → frontend: ``WorkerReady`` (or ``WorkerFailed``) once, ``WorkerStats`` at
-  least once a second (with the KV events since the last), ``Outputs`` (tokens, with the
-  stats of the step that made them) and the role's own replies.
+  least once a second while its loop runs (with the KV events since the last),
+  ``Outputs`` (tokens, with the stats of the step that made them), the role's own
+  replies, and ``Heartbeat`` from its own thread whenever nothing else went out for a
+  second (so a frontend hears it through a long step).
 
 ``Codec`` adds these to a role's own message types; nothing is pickled.
 """
@@ -129,6 +131,10 @@ class WorkerStats(msgspec.Struct, tag=True):
     draining: bool = False  # finishing what it has; send it nothing new
 
 
+class Heartbeat(msgspec.Struct, tag=True, frozen=True):
+    """The worker is alive (sent by its own thread when nothing else went out lately)."""
+
+
 class Outputs(msgspec.Struct, tag=True):
     """New tokens of some requests (all of them one frontend's), and the worker's stats
     after the step that made them."""
@@ -152,7 +158,7 @@ class Codec:
     def __init__(self, inputs: tuple[type, ...], replies: tuple[type, ...] = ()) -> None:
         self._inputs = msgspec.msgpack.Decoder(Union[(*inputs, Abort, Shutdown)])  # noqa: UP007
         self._replies = msgspec.msgpack.Decoder(
-            Union[(*replies, WorkerReady, WorkerFailed, WorkerStats, Outputs)]  # noqa: UP007
+            Union[(*replies, WorkerReady, WorkerFailed, WorkerStats, Outputs, Heartbeat)]  # noqa: UP007
         )
         self._encoder = msgspec.msgpack.Encoder()
 

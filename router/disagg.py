@@ -112,10 +112,12 @@ class DisaggClient:
         self.router_metrics = self.router.metrics
         self.index = self.router.index
         self.pools = WorkerPools(config, pd, secret or auth.make_secret(), self.router,
-                                 self.transfers, self._received, self._died)  # fmt: skip
+                                 self.transfers, self._received, self._died,
+                                 self._revived)  # fmt: skip
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
+        self._left: dict[str, list[str]] = {}  # a silent worker's wire ids, moved elsewhere
 
     # -- the serving surface -------------------------------------------------------------------
 
@@ -160,6 +162,17 @@ class DisaggClient:
     def collectors(self) -> list:
         return [*self.transfers.collectors(), *self.router_metrics.collectors(),
                 *self.pools.collectors()]  # fmt: skip
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._routes)
+
+    def stop_all(self, reason: str) -> None:
+        for route in list(self._routes.values()):
+            route.finished = True
+            route.queue.put_nowait(EngineDeadError(reason))
+            self._close(route)
+            self._abort(route)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -347,10 +360,21 @@ class DisaggClient:
     # -- deaths -------------------------------------------------------------------------------
 
     def _died(self, worker: WorkerProcess) -> None:
+        """``worker`` died, or went silent: what it had moves elsewhere."""
+        mine = [w for w, t in self._pending.items() if worker in (t.prefill, t.decode)]
+        mine += [w for w, r in self._wire.items() if r.decode is worker]
+        if worker.dead is None:  # only silent: it may come back with these still running
+            self._left[worker.name] = mine
         if worker.role == "decode":
             self._decode_died(worker)
         else:
             self._prefill_died(worker)
+
+    def _revived(self, worker: WorkerProcess) -> None:
+        """A silent worker answers again: stop what it still runs that moved elsewhere."""
+        left = self._left.pop(worker.name, [])
+        if left:
+            worker.send(Abort(left))
 
     def _decode_died(self, worker: WorkerProcess) -> None:
         for wid, transfer in list(self._pending.items()):

@@ -19,11 +19,13 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 
 import msgspec
 import zmq.asyncio
+from prometheus_client import Counter
 
 from decode.messages import CODEC as DECODE
 from engine.config import EngineConfig
@@ -43,11 +45,15 @@ ROLES = {"prefill": ("prefill.worker", PREFILL), "decode": ("decode.worker", DEC
 OnMessage = Callable[[WorkerProcess, msgspec.Struct], None]
 OnDeath = Callable[[WorkerProcess], None]
 
+RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)  # then a spawned worker is given up on
+RESTART_WINDOW_S = 600.0  # restarts longer ago than this are forgotten
+
 
 class WorkerPools:
     def __init__(
         self, config: EngineConfig, pd: PDConfig, secret: str, router: Router,
         transfers: TransferMetrics, on_message: OnMessage, on_death: OnDeath,
+        on_revive: OnDeath,
     ) -> None:  # fmt: skip
         self.config = config
         self.pd = pd
@@ -56,6 +62,12 @@ class WorkerPools:
         self.transfers = transfers
         self._on_message = on_message
         self._on_death = on_death
+        self._on_revive = on_revive
+        self._restarts: dict[str, list[float]] = {}  # name -> when it was restarted
+        self.start_timeout = 900.0
+        self._closing = False
+        self.restarts = Counter("ferry_worker_restarts", "Spawned workers restarted after "
+                                "they died or hung", ["role"], registry=None)  # fmt: skip
         self.model_name = ""
         self.facts_set = False  # model facts come from the first worker taken in
         self.max_model_len = 0
@@ -84,6 +96,7 @@ class WorkerPools:
     async def start(self, timeout: float) -> None:
         """Spawn the configured workers and wait until they are ready; then follow the
         Redis registry, if there is one."""
+        self.start_timeout = timeout
         pd = self.pd
         roles = ["prefill"] * pd.num_prefill + ["decode"] * pd.num_decode
         devices = worker_devices(self.config.device, len(roles))
@@ -167,7 +180,7 @@ class WorkerPools:
             self.router.hash_extra = ready.hash_extra
             self.model_name = ready.model_name
             self.facts_set = True
-        worker.run(self._received, self._died)
+        worker.run(self._received, self._died, self._silenced, self._revived)
         self._sized()
 
     def _refusal(self, worker: WorkerProcess) -> str | None:
@@ -199,8 +212,61 @@ class WorkerPools:
         self.router.index.remove_worker(worker.name)
         self._sized()
         self._on_death(worker)
+        if worker.spec is not None and not self._closing:
+            asyncio.create_task(self._restart(worker))
+
+    def _silenced(self, worker: WorkerProcess) -> None:
+        """A joined worker went silent: out of rotation (its requests move) until heard."""
+        self.router.index.remove_worker(worker.name)
+        self._sized()
+        self._on_death(worker)
+
+    def _revived(self, worker: WorkerProcess) -> None:
+        self._sized()
+        self._on_revive(worker)
+
+    async def _restart(self, dead: WorkerProcess) -> None:
+        """Start a dead spawned worker again in its place, after a back-off; give up after
+        ``len(RESTART_BACKOFF_S)`` restarts within ``RESTART_WINDOW_S``."""
+        await dead.shutdown()  # its channel: it would reconnect to the new process
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(dead.name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= len(RESTART_BACKOFF_S):
+            log.error("%s died %d times in %.0f s: not restarting it", dead.label,
+                      len(recent) + 1, RESTART_WINDOW_S)  # fmt: skip
+            return
+        wait = RESTART_BACKOFF_S[len(recent)]
+        self._restarts[dead.name] = [*recent, now]
+        log.warning("restarting %s in %.0f s (%s)", dead.label, wait, dead.dead)
+        await asyncio.sleep(wait)
+        if self._closing:
+            return
+        module, config = dead.spec
+        worker = self._handle(dead.name, dead.role)
+        pool = self.prefill if dead.role == "prefill" else self.decode
+        try:
+            await worker.spawn(module, config, self._tmp, self.start_timeout, self._secret)
+        except Exception as exc:  # it failed to start: that is a death too
+            log.error("%s did not restart: %s", dead.label, exc)
+            await worker.shutdown()
+            worker.dead = str(exc)
+            self._swap(pool, dead, worker)
+            self._died(worker)
+            return
+        self._swap(pool, dead, worker)
+        self.restarts.labels(dead.role).inc()
+        self._enlist(worker)
+        log.info("%s restarted", worker.label)
+
+    @staticmethod
+    def _swap(pool: list[WorkerProcess], old: WorkerProcess, new: WorkerProcess) -> None:
+        if old in pool:
+            pool[pool.index(old)] = new
+        else:
+            pool.append(new)
 
     async def shutdown(self) -> None:
+        self._closing = True
         if self._directory_task is not None:
             self._directory_task.cancel()
             await asyncio.gather(self._directory_task, return_exceptions=True)
@@ -234,7 +300,7 @@ class WorkerPools:
         return EngineStats(**total)
 
     def collectors(self) -> list:
-        return [WorkerQueueCollector(lambda: self.workers)]
+        return [WorkerQueueCollector(lambda: self.workers), self.restarts]
 
 
 def worker_devices(device: str, count: int) -> list[str]:

@@ -27,6 +27,8 @@ class ServerConfig:
     ``max_queued_requests`` / ``max_queued_tokens``: how many sequences (and their prompt
     tokens) may wait for a first token before new requests get 429 (``server.admission``);
     ``request_timeout_s``: how long one request may run (0: no limit).
+    ``drain_timeout_s``: on SIGTERM or Ctrl-C, how long requests in flight may take to
+    finish before they end with an error.
     ``internal_host`` / ``internal_port``: the control plane's own listener
     (``server.control``; port None: the public port + 1, or a free one with port 0).
     """
@@ -36,7 +38,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
-    graceful_shutdown_s: float = 5.0
+    drain_timeout_s: float = 30.0
     max_body_mb: float = DEFAULT_MAX_BODY_MB
     max_tokens_limit: int | None = None
     max_tokens_default: int = MAX_TOKENS_DEFAULT

@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
+import time
 from typing import Any
 
 from engine import envs
@@ -88,6 +90,9 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=_at_least(0.0),
                    default=ServerConfig.request_timeout_s, metavar="S",
                    help="seconds one request may run before it ends with an error (0: none)")
+    p.add_argument("--drain-timeout", type=_at_least(0.0),
+                   default=ServerConfig.drain_timeout_s, metavar="S",
+                   help="on SIGTERM or Ctrl-C: seconds requests in flight may take to finish")
     p.add_argument("--response-store-size", type=_int_at_least(0),
                    default=ServerConfig.response_store_size, metavar="N",
                    help="Responses API: stored responses kept for previous_response_id")
@@ -310,10 +315,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def kv_transport(args: argparse.Namespace) -> str:
-    """``--kv-transport``, or the one that works with the device: shm needs CPU caches."""
+    """``--kv-transport``, or the one for the device: shm between CPU caches; cuda_ipc on
+    CUDA, where every worker ``ferry serve`` starts shares the one ``--device`` (device to
+    device, no host staging). Workers on other hosts need tcp, on other GPUs nccl."""
     if args.kv_transport:
         return args.kv_transport
-    return "tcp" if _on_cuda(args) else "shm"
+    return "cuda_ipc" if _on_cuda(args) else "shm"
 
 
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
@@ -355,6 +362,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         request_timeout_s=args.request_timeout,
+        drain_timeout_s=args.drain_timeout,
         internal_host=args.internal_host,
         internal_port=args.internal_port,
     )
@@ -363,7 +371,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 def run(args: argparse.Namespace) -> int:
     config = server_config(args)
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=config.log_level.upper(), format=envs.LOG_FORMAT
     )
     pd = pd_config(args)
     shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None
@@ -371,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         listeners = _bind(config)
     except OSError as exc:
-        raise SystemExit(f"ferry: cannot listen: {exc}") from None
+        raise SystemExit(f"ferry: cannot listen: {exc} (--port / --internal-port pick "
+                         "others)") from None  # fmt: skip
     return asyncio.run(serve(config, engine_config(args), pd, secret, listeners))
 
 
@@ -387,18 +396,34 @@ def _bind(config: ServerConfig) -> tuple[socket.socket, socket.socket]:
     return public, control
 
 
-def _control_server(app: Any, config: ServerConfig) -> Any:
-    """The control-plane listener beside the public one; its signals are the public
-    server's (it stops when that one does)."""
+def _servers(public: Any, control: Any, config: ServerConfig) -> tuple[Any, Any]:
+    """The public server, which takes SIGINT and SIGTERM as the signal to drain and does
+    not raise them again once it has (the process then exits 0), and the control-plane
+    listener beside it, which stops when the public one does."""
     import uvicorn
 
+    class PublicServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            handlers = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
     class ControlServer(uvicorn.Server):
-        def capture_signals(self):  # the public server handles SIGINT/SIGTERM
+        def capture_signals(self):
             return contextlib.nullcontext()
 
-    return ControlServer(
-        uvicorn.Config(app, log_level=config.log_level, access_log=False, lifespan="off")
-    )
+    return (
+        PublicServer(uvicorn.Config(public, log_level=_quieter(config.log_level),
+                                    access_log=False,
+                                    timeout_graceful_shutdown=config.drain_timeout_s + 5)),
+        ControlServer(uvicorn.Config(control, log_level=_quieter(config.log_level),
+                                     access_log=False, lifespan="off")),
+    )  # fmt: skip
 
 
 async def serve(
@@ -409,7 +434,6 @@ async def serve(
     worker pools; None: one engine process. ``secret``: the cluster secret. ``listeners``:
     the public and control sockets (``_bind``; bound here if not given). The control plane
     starts listening once the engines are ready."""
-    import uvicorn
 
     from engine.client import EngineClient
     from router.disagg import DisaggClient
@@ -418,31 +442,47 @@ async def serve(
 
     public_sock, control_sock = listeners or _bind(config)
     client = EngineClient(engine, secret) if pd is None else DisaggClient(engine, pd, secret)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config, client),
-            log_level=config.log_level,
-            access_log=False,
-            timeout_graceful_shutdown=config.graceful_shutdown_s,
-        )
-    )
-    control = _control_server(create_control_app(client, secret), config)
+    app = create_app(config, client)
+    server, control = _servers(app, create_control_app(client, secret), config)
     controlling: list[asyncio.Task] = []
 
-    async def when_ready() -> None:
+    async def lifecycle() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         controlling.append(asyncio.create_task(control.serve(sockets=[control_sock])))
         _announce(server, client, config, control_sock)
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        await _drain(app, client, config)
 
-    starter = asyncio.create_task(when_ready())
+    watcher = asyncio.create_task(lifecycle())
     try:
         await server.serve(sockets=[public_sock])
     finally:
-        starter.cancel()
+        watcher.cancel()
         control.should_exit = True
-        await asyncio.gather(starter, *controlling, return_exceptions=True)
+        await asyncio.gather(watcher, *controlling, return_exceptions=True)
     return 0 if server.started else 1
+
+
+def _quieter(level: str) -> str:
+    """uvicorn's own level: it says nothing at info that ferry's lines do not say."""
+    return level if level in ("debug", "trace", "warning", "error", "critical") else "warning"
+
+
+async def _drain(app: Any, client: Any, config: ServerConfig) -> None:
+    """Shutting down (SIGTERM, Ctrl-C): readiness goes to 503, the listener stops taking
+    connections (uvicorn), requests in flight get ``drain_timeout_s`` to finish, and then
+    whatever still runs ends with a clean error, before the engines are stopped."""
+    app.state.draining = True
+    busy = client.num_in_flight
+    print(f"ferry: shutting down; {busy} request(s) in flight get up to "
+          f"{config.drain_timeout_s:g} s", flush=True)  # fmt: skip
+    deadline = time.monotonic() + config.drain_timeout_s
+    while client.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if client.num_in_flight:
+        client.stop_all("the server is shutting down")
 
 
 def _announce(server: Any, client: Any, config: ServerConfig, control: socket.socket) -> None:

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         from decode.worker import DecodeWorker as role
 
     logging.basicConfig(level=(args.log_level or envs.LOG_LEVEL.get()).upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+                        format=envs.LOG_FORMAT)  # fmt: skip
     if not args.frontend and not args.redis:
         log.warning("no --frontend and no --redis: no frontend will find this worker")
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"

@@ -12,13 +12,14 @@ there is one.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
 
-from engine.messages import Codec, Outputs, RequestOutput, WorkerStats
+from engine.messages import Codec, Heartbeat, Outputs, RequestOutput, WorkerStats
 from kvstore import auth
 from kvstore.events import KVEvent
 
@@ -32,6 +33,7 @@ log = logging.getLogger("ferry.worker")
 HELLO, CHALLENGE, PROOF = b"H", b"C", b"P"
 WORKER, FRONTEND = b"worker", b"frontend"
 HANDSHAKE = (HELLO, CHALLENGE, PROOF)
+_POLL_SLICE_MS = 50
 
 
 class WorkerChannel:
@@ -52,6 +54,9 @@ class WorkerChannel:
         self.event_sink: Callable[[list[KVEvent]], None] | None = None
         self._hello: bytes | None = None
         self.last_stats = 0.0  # monotonic time stats last went to every frontend
+        self.last_sent = 0.0  # ... and anything at all
+        self._lock = threading.Lock()  # the socket is used by the loop and the heartbeat
+        self._closed = threading.Event()
 
     def ready(self, msg: msgspec.Struct) -> None:
         """The worker's ready (or failure) message: sent to every frontend that said or
@@ -61,12 +66,35 @@ class WorkerChannel:
             self._send(frontend, self._hello)
 
     def poll(self, timeout_ms: int) -> bool:
-        return bool(self._sock.poll(timeout_ms))
+        """Whether a message waits, within ``timeout_ms`` (in slices, so that the heartbeat
+        thread gets the socket in between)."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            with self._lock:
+                if self._sock.poll(min(timeout_ms, _POLL_SLICE_MS)):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        """Send ``Heartbeat`` to every frontend whenever nothing else went out for
+        ``interval_s``, from a thread of its own: a frontend hears the worker through a long
+        step, and hears nothing from a stopped process (SIGSTOP stops every thread)."""
+
+        def beat() -> None:
+            payload = self.codec.encode(Heartbeat())
+            while not self._closed.wait(interval_s / 2):
+                if time.monotonic() - self.last_sent >= interval_s:
+                    for frontend in list(self.frontends):
+                        self._send(frontend, payload)
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     def _recv(self) -> tuple[bytes, bytes] | None:
         """The next (frontend, message) from a frontend that proved the secret, or None
         after a handshake frame or a message from anyone else."""
-        frames = self._sock.recv_multipart()
+        with self._lock:
+            frames = self._sock.recv_multipart()
         if len(frames) != 2:
             return self._refuse(frames[0], "a malformed message")
         peer, payload = frames
@@ -162,11 +190,15 @@ class WorkerChannel:
 
     def _send(self, frontend: bytes, payload: bytes) -> None:
         try:
-            self._sock.send_multipart([frontend, payload], zmq.NOBLOCK)
+            with self._lock:
+                self._sock.send_multipart([frontend, payload], zmq.NOBLOCK)
+            self.last_sent = time.monotonic()
         except zmq.ZMQError:  # that frontend is gone (or not keeping up): forget it
             if frontend in self.frontends:
                 self.frontends.remove(frontend)
 
     def close(self) -> None:
-        self._sock.close(0)
+        self._closed.set()
+        with self._lock:
+            self._sock.close(0)
         self._ctx.term()

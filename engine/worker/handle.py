@@ -5,10 +5,11 @@ The channel is a DEALER socket connected to the address the worker binds
 proves it holds the secret (``kvstore.auth``), and a worker that cannot is refused —
 after which the worker sends its ready message. A worker is either spawned by this
 frontend (``spawn``: ``python -m <role module>`` on an ``ipc://`` address, dead when the
-process exits) or started elsewhere and attached (``connect``: ``ferry worker``, dead
-when it has not been heard from for ``silence_timeout_s``; workers send stats at least
-every second). A dead worker's ``on_death`` runs once. The aggregated engine's client
-and the worker pools use the same handle.
+process exits, or killed when it hangs) or started elsewhere and attached (``connect``:
+``ferry worker``, out of rotation while it is not heard from). Workers send stats at
+least every second and a heartbeat from a thread of their own; ``run`` says what
+silence does. A dead worker's ``on_death`` runs once. The aggregated engine's client and
+the worker pools use the same handle.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 class WorkerHandle:
     silence_timeout_s = 5.0
+    forget_after_s = 300.0
 
     def __init__(
         self, name: str, role: str, codec: Codec, ctx: zmq.asyncio.Context, identity: bytes,
@@ -62,6 +64,8 @@ class WorkerHandle:
         self.codec = codec
         self.ready: WorkerReady | None = None
         self.dead: str | None = None
+        self.silent = False  # joined elsewhere and not heard lately (back when heard again)
+        self.spec: tuple[str, WorkerConfig] | None = None  # how it was spawned (module, config)
         self.draining = False
         self.stats: EngineStats | None = None  # the worker's latest
         self.num_transferring = 0
@@ -83,7 +87,8 @@ class WorkerHandle:
 
     @property
     def alive(self) -> bool:
-        return self.dead is None and (self.proc is None or self.proc.poll() is None)
+        running = self.proc is None or self.proc.poll() is None
+        return self.dead is None and not self.silent and running
 
     async def spawn(
         self, module: str, config: WorkerConfig, tmpdir: str, timeout: float, secret: str
@@ -92,6 +97,7 @@ class WorkerHandle:
         (the cluster ``secret`` in its environment, not on its command line) and wait until
         it is ready."""
         address = f"ipc://{tmpdir}/{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}"
+        self.spec = (module, config)
         config = config.replace(listen=address, exit_with_parent=True)
         cmd = [sys.executable, "-m", module, "--config", msgspec.json.encode(config).decode()]
         env = {
@@ -154,12 +160,20 @@ class WorkerHandle:
         self,
         on_message: Callable[[WorkerHandle, msgspec.Struct], None],
         on_death: Callable[[WorkerHandle], None],
+        on_silence: Callable[[WorkerHandle], None] | None = None,
+        on_revive: Callable[[WorkerHandle], None] | None = None,
     ) -> None:
         """Feed every message from the worker to ``on_message`` until it dies (the stats a
-        message carries are taken in first)."""
-        self._task = asyncio.create_task(self._pump(on_message, on_death))
+        message carries are taken in first).
 
-    async def _pump(self, on_message, on_death) -> None:
+        Silence: a worker not heard from for ``silence_timeout_s`` (it sends a heartbeat
+        every second, even through a long step) is stopped or hung. One this frontend
+        spawned is killed — it dies, ``on_death`` runs. One that joined from elsewhere is
+        only out of rotation (``on_silence``) until it is heard again (``on_revive``), or
+        dead once silent for ``forget_after_s``."""
+        self._task = asyncio.create_task(self._pump(on_message, on_death, on_silence, on_revive))
+
+    async def _pump(self, on_message, on_death, on_silence, on_revive) -> None:
         while self.dead is None:
             if await self._sock.poll(500):
                 self._heard = time.monotonic()
@@ -167,15 +181,35 @@ class WorkerHandle:
                 stats = stats_of(msg)
                 if stats is not None:
                     self.observe(stats)
+                if self.silent:
+                    self.silent = False
+                    log.warning("%s answers again: back in rotation", self.label)
+                    if on_revive is not None:
+                        on_revive(self)
                 on_message(self, msg)
             elif self.proc is not None and self.proc.poll() is not None:
-                code = self.proc.returncode
-                self.dead = f"{self.label} exited with code {code}"
-            elif self.proc is None and time.monotonic() - self._heard > self.silence_timeout_s:
-                self.dead = (f"{self.label} at {self.address} stopped answering "
-                             f"({self.silence_timeout_s:.0f}s)")  # fmt: skip
+                self.dead = f"{self.label} exited with code {self.proc.returncode}"
+            else:
+                self._check_silence(on_silence)
         log.error("%s", self.dead)
         on_death(self)
+
+    def _check_silence(self, on_silence) -> None:
+        quiet = time.monotonic() - self._heard
+        if quiet <= self.silence_timeout_s:
+            return
+        what = f"{self.label} at {self.address} stopped answering ({quiet:.0f}s)"
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.dead = f"{what}; killed"
+        elif quiet > self.forget_after_s:
+            self.dead = f"{what}; gone"
+        elif not self.silent:
+            self.silent = True
+            log.error("%s: out of rotation until it answers", what)
+            if on_silence is not None:
+                on_silence(self)
 
     def leave(self, reason: str) -> None:
         """Take the worker out of rotation (it left the registry); ``on_death`` follows."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -141,10 +142,12 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
             channel.linger()
             return
         channel.ready(role.ready())
+        channel.start_heartbeat(HEARTBEAT_S)
         try:
             _loop(role, channel, drain, _orphan_check(config.exit_with_parent))
         finally:
             role.close()
+            log.info("%s worker %s stopped", config.role, config.name or channel.address)
     finally:
         if registration is not None:
             registration.stop()
@@ -200,8 +203,11 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=f"a ferry {role_cls.role} worker")
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr)
+    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr,
+                        format=envs.LOG_FORMAT)  # fmt: skip
     config = msgspec.json.decode(args.config, type=WorkerConfig)
+    if config.exit_with_parent:  # the frontend stops it: Ctrl-C in its terminal is for that
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     secret = envs.CLUSTER_SECRET.get()
     if not secret:
         sys.exit(f"a {role_cls.role} worker needs the cluster secret in "

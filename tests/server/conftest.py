@@ -4,7 +4,7 @@ The server runs the default model (SmolLM2-135M GGUF) on a free loopback port wi
 API key (every test sends it; the auth tests leave it out) and with
 ``FERRY_DEBUG_INTEGRITY=1``, so the engine checks its KV block bookkeeping whenever it
 goes idle and dies loudly on a mismatch; tests that stress it finish by asserting
-``/health`` is still 200.
+``/ready`` is still 200 (``assert_sound``).
 """
 
 from __future__ import annotations
@@ -90,12 +90,23 @@ def _wait_healthy(base_url: str) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{base_url}/health", timeout=5).status_code == 200:
+            if httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.25)
-    raise RuntimeError("ferry serve announced itself but /health never returned 200")
+    raise RuntimeError("ferry serve announced itself but /ready never returned 200")
+
+
+def assert_sound(server: Server) -> None:
+    """The server is ready and no worker of it died and was restarted (with
+    ``FERRY_DEBUG_INTEGRITY`` a worker dies on a bookkeeping mismatch)."""
+    ready = httpx.get(f"{server.base_url}/ready", timeout=30)
+    assert ready.status_code == 200, server.log_tail()
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    restarts = [line for line in metrics.splitlines()
+                if line.startswith("ferry_worker_restarts_total")]  # fmt: skip
+    assert all(float(line.rsplit(" ", 1)[1]) == 0 for line in restarts), restarts
 
 
 @contextlib.contextmanager
@@ -126,7 +137,7 @@ def run_server(
     env: dict[str, str] | None = None,
 ) -> Iterator[Server]:  # fmt: skip
     """``ferry serve --port 0 --api-key ... <flags>`` until the block exits; ``healthy``:
-    wait for /health to say 200 (not with workers still to join); ``prefix``: a command
+    wait for /ready to say 200 (not with workers still to join); ``prefix``: a command
     that runs it (such as ``setpriv ...``); ``env``: more environment."""
     command = [*prefix, *_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
     with _process(command, log_path, env) as proc:

@@ -1,9 +1,10 @@
 """Clients that go away mid-request: every engine request is aborted and its KV blocks freed.
 
 The server runs with ``FERRY_DEBUG_INTEGRITY=1``: the engine checks its block bookkeeping
-each time it goes idle and dies on a mismatch, so ``/health`` staying 200 at the end
-means every check passed. ``ferry_kv_blocks_used`` counts blocks referenced by requests;
-cached-but-unreferenced prefix blocks count as free, so it must return to 0.
+each time it goes idle and dies on a mismatch, so ``/ready`` staying 200 with no worker
+restarted at the end means every check passed. ``ferry_kv_blocks_used`` counts blocks
+referenced by requests; cached-but-unreferenced prefix blocks count as free, so it must
+return to 0.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import httpx
 import pytest
+from conftest import assert_sound
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +62,7 @@ def assert_engine_clean(server, samples: dict[str, float]) -> None:
     assert samples["ferry_num_requests_waiting"] == 0
     assert samples["ferry_kv_blocks_used"] == 0
     assert samples["ferry_kv_blocks_total"] > 0
-    health = httpx.get(f"{server.base_url}/health", timeout=10)
-    assert health.status_code == 200, server.log_tail()
+    assert_sound(server)
 
 
 def _body(i: int, rng: random.Random) -> dict:

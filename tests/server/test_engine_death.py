@@ -1,4 +1,5 @@
-"""When the engine process dies: streams end with an error event, then 503 everywhere.
+"""When the engine processes die: streams end with an error event, readiness and requests
+are 503 while the frontend restarts them, and then it serves again.
 
 Uses its own server (``doomed_server``: the random-weight ``dummy:tiny`` model, quick
 to load), since the test kills that server's engine.
@@ -17,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_engine_death_ends_streams_with_an_error_and_health_turns_503(doomed_server):
+def test_dead_workers_end_their_streams_with_an_error_and_are_restarted(doomed_server):
     server = doomed_server
     body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     events = []
@@ -37,9 +38,21 @@ def test_engine_death_ends_streams_with_an_error_and_health_turns_503(doomed_ser
         assert "engine" in error["message"]
 
         deadline = time.monotonic() + 10
-        while http.get("/health").status_code != 503 and time.monotonic() < deadline:
+        while http.get("/ready").status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert http.get("/health").status_code == 503
+        assert http.get("/ready").status_code == 503
+        assert http.get("/health").status_code == 200  # the frontend itself lives on
         after = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
         assert after.status_code == 503
         assert after.json()["error"]["code"] == "engine_unavailable"
+
+        deadline = time.monotonic() + 120
+        while http.get("/ready").status_code != 200:  # restarted, after a back-off
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.2)
+        again = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 2
+        restarts = [line for line in http.get("/metrics").text.splitlines()
+                    if line.startswith("ferry_worker_restarts_total")]  # fmt: skip
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in restarts) == 2
+        assert "restarting" in server.log_tail(20000)

@@ -1,6 +1,6 @@
 """A real ``ferry serve`` whose file tier sits on a tmpfs of the test's own, while it
 serves: the disk full from the start, block files replaced by a FIFO, an unreadable file
-and a directory, then a read-only remount. The engine process never dies or hangs, /health
+and a directory, then a read-only remount. The engine process never dies or hangs, /ready
 stays 200, greedy text stays that of the first (uncached) run, ``ferry_kv_file_degraded``
 goes to 1 and back to 0 by itself (as of the engine's latest step: stats travel with
 step outputs), and the log holds no traceback.
@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import run_server
+from conftest import assert_sound, run_server
 from filesystems import (
     directory_in_place_of,
     fifo_in_place_of,
@@ -81,7 +81,7 @@ def degraded(server) -> float:
 
 def assert_alive(server) -> None:
     assert server.process.poll() is None
-    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+    assert_sound(server)
     assert "Traceback" not in server.log_path.read_text(errors="replace")
 
 

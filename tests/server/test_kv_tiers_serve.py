@@ -8,6 +8,7 @@ import time
 
 import httpx
 import msgspec
+from conftest import assert_sound
 from helpers import metric, wait_for_files
 
 from engine.messages import EngineStats
@@ -80,8 +81,7 @@ def test_a_decode_worker_loads_the_prefix_another_one_wrote(tmp_path, serve):
         second = complete(s, PROMPT)  # decode worker 1, which never saw the prompt
         file_hits = metric(s, "ferry_kv_tier_hit_tokens_total", tier="file")
         assert metric(s, "ferry_kv_tier_hit_tokens_total", tier="device") == 0
-        health = httpx.get(f"{s.base_url}/health", timeout=30)
-        assert health.status_code == 200
+        assert_sound(s)
     assert second["cached"] > 0 and file_hits == second["cached"]
     assert second["text"] == first["text"]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import assert_sound
 from helpers import metric, wait_for_files
 
 QUESTIONS = [
@@ -76,7 +77,7 @@ def test_prefill_decode_workers_answer_token_for_token_as_aggregated(
         again = chat(s, QUESTIONS[1])
         assert again["cached"] > 0
         assert again["tokens"] == aggregated["answers"][QUESTIONS[1]]["tokens"]
-        assert httpx.get(f"{s.base_url}/health", timeout=30).status_code == 200
+        assert_sound(s)
 
 
 def test_a_repeated_prompt_is_served_from_the_cache_when_aggregated(aggregated):
