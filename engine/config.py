@@ -317,6 +317,81 @@ class SchedulerConfig:
     max_model_len: int = 0  # 0: the model's own context length
 
 
+SPEC_SCHEDULES = ("dynamic", "fixed")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``engine.spec``): who drafts and how many drafts are verified.
+
+    ``method``: "none", "ngram" (prompt lookup, no weights), "mtp" (the model's own
+    multi-token-prediction layers, DeepSeek-V3), "draft" (``draft_model``: a small model
+    with the target's tokenizer), or any drafter registered in ``engine.spec.DRAFTERS``.
+    ``num_speculative_tokens`` (K) is the most drafts a request gets verified in one step.
+    ``schedule``: "dynamic" chooses each step how many drafts to verify in all and which
+    requests get them (``engine.spec.policy``); "fixed" verifies up to K for every
+    request. ``confidence_temperatures``: per draft position, the temperature that
+    calibrates a model drafter's (MTP's, a draft model's) probability of its token into an
+    acceptance estimate; one value for every position or exactly K values (any other
+    length is refused here, at start). ``ngram_min`` / ``ngram_max``: the suffix lengths
+    prompt lookup matches.
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 0
+    schedule: str = "dynamic"
+    draft_model: str = ""
+    confidence_temperatures: tuple[float, ...] = (1.0,)
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.method:
+            raise ValueError("a speculative method, or none")
+        if self.schedule not in SPEC_SCHEDULES:
+            raise ValueError(f"spec schedule {self.schedule!r}; one of {SPEC_SCHEDULES}")
+        if self.method == "none":
+            return
+        k = self.num_speculative_tokens
+        if not 1 <= k <= 16:
+            raise ValueError(f"--num-speculative-tokens must be in [1, 16] with {self.method!r}"
+                             f" speculation, got {k}")  # fmt: skip
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("draft speculation needs a draft model path (draft:PATH)")
+        temps = self.confidence_temperatures
+        if len(temps) not in (1, k):
+            raise ValueError(f"{len(temps)} confidence temperatures for {k} draft "
+                             f"positions: give one, or exactly {k}")  # fmt: skip
+        if any(t <= 0 for t in temps):
+            raise ValueError(f"confidence temperatures must be > 0, got {temps}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"n-gram lengths {self.ngram_min}..{self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def max_draft(self) -> int:
+        """K: the most drafts verified per request and step (0 without speculation)."""
+        return self.num_speculative_tokens if self.enabled else 0
+
+    def temperature(self, position: int) -> float:
+        """The calibration temperature of draft position ``position`` (0-based)."""
+        temps = self.confidence_temperatures
+        return temps[0] if len(temps) == 1 else temps[position]
+
+    @classmethod
+    def parse(cls, spec: str, **fields: Any) -> SpeculativeConfig:
+        """From ``--speculative``'s text: ``ngram``, ``mtp``, ``draft:PATH`` or ``none``."""
+        method, _, path = spec.partition(":")
+        if method == "draft":
+            return cls(method="draft", draft_model=path, **fields)
+        if path:
+            raise ValueError(f"--speculative {spec!r}: only draft takes a path")
+        return cls(method=method, **fields)
+
+
 @dataclass(frozen=True)
 class StructuredOutputConfig:
     """Grammar compilation for structured output (``engine.structured``)."""
@@ -344,6 +419,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def replace(self, **changes: Any) -> EngineConfig:
         return dataclasses.replace(self, **changes)

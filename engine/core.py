@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from engine.attention import build_backend
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.sizing import auto_kv_blocks
@@ -36,6 +36,8 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler
+from engine.spec import build_drafter
+from engine.spec.manager import SpecDecoding
 from engine.structured import GrammarCompiler, GrammarGate
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole
@@ -74,24 +76,40 @@ class EngineCore:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids) if loaded.tokenizer else ()
-        layout = loaded.model.kv_layout(config.cache.block_size, dtype)
-        self.config = self._resolve(config, layout)
+        speculative = config.speculative if scheduler_cls.drafts else SpeculativeConfig()
+        drafter = build_drafter(config.speculative, loaded, config.device, dtype)
+        if drafter is not None and not scheduler_cls.drafts and not drafter.kv_layers():
+            drafter = None  # nothing decodes here, and it has no KV to carry to who does
+        bs = config.cache.block_size
+        layout = loaded.model.kv_layout(bs, dtype)
+        extra_layers = drafter.kv_layers() if drafter is not None else 0
+        if extra_layers:  # the drafter's KV travels in the target's blocks
+            layout = dataclasses.replace(layout, num_layers=layout.num_layers + extra_layers)
+        own_bytes = drafter.kv_bytes_per_block(bs) if drafter is not None else 0
+        self.config = self._resolve(config, layout.bytes_per_block + own_bytes)
         cache_cfg = self.config.cache
         self.kv_cache = cache_factory(layout, cache_cfg.num_blocks, config.device)
         mc = loaded.config
+        self.fingerprint = mc.fingerprint + (f"+kv{extra_layers}" if extra_layers else "")
         backend = build_backend(self.kv_cache, mc, loaded.model.attention_scale, config.device)
         pool = BlockPool(cache_cfg.num_blocks, cache_cfg.enable_prefix_caching)
-        self.kv = KVCacheManager(pool, cache_cfg.block_size, self._tiers(cache_cfg, mc.fingerprint))
+        tiers = self._tiers(cache_cfg, self.fingerprint)
+        self.kv = KVCacheManager(pool, cache_cfg.block_size, tiers)
         self.max_model_len = self.config.scheduler.max_model_len
-        self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len)
-        sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
-        self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size)
         self.overlap = config.overlaps
+        if drafter is not None:
+            drafter.bind(self.kv_cache, cache_cfg.num_blocks, self.max_model_len)
+        lookahead = drafter.kv_lookahead if drafter is not None else 0
+        spec = SpecDecoding(speculative, lookahead, lagged=self.overlap)
+        self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len, spec)
+        sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
+        self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size, drafter,
+                                  proposes=scheduler_cls.drafts)  # fmt: skip
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             sched = self.config.scheduler
             self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
-        self.hash_extra = extra_keys(mc.fingerprint)  # what the block hashes of this model mix in
+        self.hash_extra = extra_keys(self.fingerprint)  # what this model's block hashes mix in
         so = config.structured
         self.grammars = GrammarGate(
             GrammarCompiler(
@@ -108,17 +126,18 @@ class EngineCore:
             int(cache.file_capacity_gb * 2**30), cache.file_ttl_hours * 3600.0, cache.file_mode,
         )  # fmt: skip
 
-    def _resolve(self, config: EngineConfig, layout: KVCacheLayout) -> EngineConfig:
-        """Fill in what is only known now: block count and context length (never past
-        the model's own, which its RoPE table covers)."""
+    def _resolve(self, config: EngineConfig, bytes_per_block: int) -> EngineConfig:
+        """Fill in what is only known now: block count (``bytes_per_block``: every KV
+        cache's, a draft model's included) and context length (never past the model's
+        own, which its RoPE table covers)."""
         cache = config.cache
         own = self.model_config.max_position_embeddings
         limit = min(config.scheduler.max_model_len or own, own)
         if cache.num_blocks == 0:
             if cache.memory_gb > 0:
-                num_blocks = int(cache.memory_gb * 2**30) // layout.bytes_per_block + 1
+                num_blocks = int(cache.memory_gb * 2**30) // bytes_per_block + 1
             else:
-                num_blocks = auto_kv_blocks(limit, cache.block_size, layout.bytes_per_block)
+                num_blocks = auto_kv_blocks(limit, cache.block_size, bytes_per_block)
             cache = dataclasses.replace(cache, num_blocks=num_blocks)
         capacity = (cache.num_blocks - 1) * cache.block_size
         sched = dataclasses.replace(config.scheduler, max_model_len=min(limit, capacity))
@@ -201,8 +220,8 @@ class EngineCore:
 
     def _can_run_on(self, plan: StepPlan) -> bool:
         """Whether the next step can be planned before ``plan``'s tokens are known."""
-        if not self.scheduler.overlappable:
-            return False
+        if not self.scheduler.overlappable or plan.num_draft_tokens:
+            return False  # the next plan must know how many drafts were kept
         for chunk in plan.chunks:
             req = self.scheduler.requests.get(chunk.request_id)
             if req is None:

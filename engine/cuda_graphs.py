@@ -7,6 +7,9 @@ batch-1 step takes several times its HBM floor. Here each bucket size ``b`` (1, 
 captured once over static input buffers; a decode step of ``n <= b`` sequences fills the
 first ``n`` rows of the smallest bucket that fits and replays its graph.
 
+A speculative verify step whose chunks are each one token plus drafts arrives here as one
+single-token row per token (``engine.runner``), so it replays the bucket of its row count.
+
 Padding rows are real rows of the batch that nobody reads: token 0 at position 0, one
 token of context, a block table of zeros, and their KV goes to slot 0 of block 0 (the null
 block, never handed out), so they never touch a real block. Steps with more than one
@@ -55,6 +58,7 @@ class _Bucket:
     meta: AttentionMetadata
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [size, V] float32, the graph's output
+    hidden: torch.Tensor | None = None  # [size, H], the final hidden states it computed
 
 
 class DecodeGraphs:
@@ -110,10 +114,17 @@ class DecodeGraphs:
         step. Queues work only: never waits for the device."""
         bucket = self._buckets[self.bucket_for(len(chunks))]
         self._fill(bucket, chunks)
+        self._last = bucket
         if bucket.graph is not None:
             bucket.graph.replay()
             return bucket.logits
-        return self._forward(bucket)
+        bucket.hidden, logits = self._forward(bucket)
+        return logits
+
+    def hidden(self, n: int) -> torch.Tensor:
+        """The final hidden states of the first ``n`` rows of the last ``run`` (the
+        graph's buffer: read it before the next step)."""
+        return self._last.hidden[:n]
 
     # -- buffers --------------------------------------------------------------------------
 
@@ -157,11 +168,12 @@ class DecodeGraphs:
 
     # -- the forward and its capture ------------------------------------------------------
 
-    def _forward(self, bucket: _Bucket) -> torch.Tensor:
+    def _forward(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's hidden states and logits."""
         ids, positions = bucket.int64[0], bucket.int64[1]
         with torch.inference_mode():
             hidden = self.model(ids, positions, ForwardContext(bucket.meta, self.backend))
-            return self.model.compute_logits(hidden)
+            return hidden, self.model.compute_logits(hidden)
 
     def _capture(self) -> None:
         """Capture every bucket, largest first, all in one memory pool."""
@@ -178,7 +190,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                bucket.logits = self._forward(bucket)
+                bucket.hidden, bucket.logits = self._forward(bucket)
             bucket.graph = graph
         torch.cuda.synchronize()
         self.captured = True

@@ -101,6 +101,16 @@ class EngineStats(msgspec.Struct, frozen=True):
     # 1 while the file tier writes nothing (its directory is full or read-only; summed
     # over workers: how many are degraded); it clears itself once a probe write succeeds
     kv_file_degraded: int = 0
+    # speculative decoding (engine.spec), cumulative; the lists are per draft position
+    spec_draft_proposed: list[int] = []
+    spec_draft_verified: list[int] = []
+    spec_draft_accepted: list[int] = []
+    spec_verify_groups: int = 0  # (request, step) pairs that verified drafts
+    spec_verify_steps: int = 0  # steps that verified drafts
+    spec_expected_milli: int = 0  # kept drafts the verify policy expected, x1000
+    spec_error_milli: int = 0  # sum over groups of |expected - kept|, x1000
+    spec_time_us: int = 0  # measured time of the steps whose time the cost model predicted
+    spec_time_error_us: int = 0  # sum of |predicted - measured| step time
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):

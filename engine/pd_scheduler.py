@@ -34,6 +34,7 @@ PREFILLED = "prefilled"
 
 class PrefillScheduler(Scheduler):
     overlappable = False  # a request's blocks are shipped as soon as its step has run
+    drafts = False  # every request ends at its first token
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

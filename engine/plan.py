@@ -27,7 +27,11 @@ class ScheduledChunk:
     """Tokens ``start_pos .. start_pos+len(token_ids)`` of one sequence, to run this step.
 
     ``block_ids`` is the sequence's whole block table. ``sample`` is true when the chunk
-    ends at the sequence's last token, so its final row is sampled.
+    ends at the sequence's last token, so its final row is sampled. ``num_draft`` > 0
+    (speculative decoding; ``sample`` is then true): the last ``num_draft`` tokens are
+    drafts that follow the sequence's last token, and the last ``num_draft + 1`` rows are
+    verified (``engine.sampler``: each draft is kept or rejected, then one token is
+    sampled after the kept ones).
     """
 
     request_id: str
@@ -35,6 +39,11 @@ class ScheduledChunk:
     start_pos: int
     block_ids: list[int]
     sample: bool
+    num_draft: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_draft and (not self.sample or self.num_draft >= len(self.token_ids)):
+            raise ValueError("drafts follow a sampled sequence's last token")
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +52,15 @@ class ScheduledChunk:
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose logits are sampled or verified: 0, 1, or 1 + the drafts."""
+        return self.num_draft + 1 if self.sample else 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft :] if self.num_draft else []
 
 
 @dataclass(frozen=True)
@@ -60,20 +78,45 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(c.num_draft for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where the step's time went, in seconds, as the runner measured it: the target
+    forward (and its logits), sampling or verification, and drafting the next step."""
+
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    draft_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class StepResult:
     """What the runner sampled: for each chunk with ``sample``, one token (and logprobs).
 
-    ``ended``: requests whose sampled token completed their grammar; they stop there.
+    ``accepted``: for a chunk with drafts, the drafts kept, in order; ``sampled`` is the
+    token that follows them. ``logprobs``: per request that asked, one ``TokenLogprob``
+    per token it got (the accepted drafts', then the sampled one's).
+    ``ended``: requests whose tokens completed their grammar; they stop there.
     ``prompt_logprobs``: for requests that asked and sampled their first token this step,
     one entry per prompt token (``TokenLogprob``; the first None).
+    ``proposals``: drafts for the next step (``engine.spec``), by request.
     """
 
     sampled: dict[str, int]
-    logprobs: dict[str, object] = field(default_factory=dict)  # request_id -> TokenLogprob
+    logprobs: dict[str, list] = field(default_factory=dict)  # request_id -> [TokenLogprob]
     ended: frozenset[str] = frozenset()
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    proposals: dict[str, Any] = field(default_factory=dict)  # request_id -> spec.Proposal
+    timing: StepTiming | None = None
+
+    def tokens(self, request_id: str) -> list[int]:
+        """Every token ``request_id`` got this step: the accepted drafts, then the sampled."""
+        return [*self.accepted.get(request_id, ()), self.sampled[request_id]]

@@ -12,6 +12,17 @@ None). A chunk recomputed after a preemption replaces what it computed before. O
 prompt's first prefill computes them: a request that arrives with output tokens (resumed
 elsewhere) does not.
 
+Speculative decoding: a chunk with drafts (``ScheduledChunk.num_draft``) has its last
+``num_draft + 1`` rows verified in the same forward (``Sampler.verify``: each row's
+sampling history holds the drafts before it, and a structured request's mask row is its
+grammar's state after them); the request gets the kept drafts and one sampled token.
+When every chunk of a step is one token plus drafts, each of its tokens becomes a row of
+its own over the sequence's block table (context up to that token), so verify steps take
+the decode path of every attention backend and replay the decode CUDA graphs by bucket
+of rows. After the step's tokens are known the ``Drafter`` (``engine.spec``) proposes the
+next drafts; they come back in ``StepResult.proposals``, cut where a request's grammar
+would reject one.
+
 Decode-only steps replay a CUDA graph when ``capture_decode_graphs`` has run
 (``engine.cuda_graphs``); other steps run eagerly. Either way the step's forward and its
 sampling only queue device work: inputs go over from pinned memory without waiting, and
@@ -22,6 +33,7 @@ one synchronisation.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,10 +43,18 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardCo
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
 from engine.models.base import CausalLM
-from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
+from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import UNRESOLVED
-from engine.sampler import PromptLogprobs, SampledTokens, Sampler, SamplingRow
-from engine.structured import GrammarState, build_mask
+from engine.sampler import (
+    DraftGroup,
+    PromptLogprobs,
+    SampledTokens,
+    Sampler,
+    SamplingRow,
+    VerifiedTokens,
+)
+from engine.spec.base import Drafter, DraftRequest, DraftStep, Proposal
+from engine.structured import GrammarState, build_draft_mask, build_mask
 
 log = logging.getLogger("ferry.runner")
 
@@ -74,14 +94,23 @@ class _RowState:
         self.prompt_parts, self.prompt_sent = [], True
         return entries
 
-    def row(self) -> SamplingRow:
+    def row(self, drafts: list[int] | None = None) -> SamplingRow:
+        """The sampling row of the next token, or of the one after ``drafts`` (their
+        history then holds them: penalties and min_tokens count them)."""
+        outputs = self.output_token_ids
+        sp = self.new.sampling
+        if drafts and (sp.needs_penalties or len(outputs) < sp.min_tokens):
+            outputs = [*outputs, *drafts]
         return SamplingRow(
-            params=self.new.sampling,
+            params=sp,
             generator=self.generator,
             prompt_token_ids=self.new.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
+            output_token_ids=outputs,
             eos_token_ids=self.new.eos_token_ids,
         )
+
+    def token_ids(self) -> list[int]:
+        return [*self.new.prompt_token_ids, *self.output_token_ids]
 
 
 @dataclass(frozen=True)
@@ -93,14 +122,68 @@ class StepInputs:
     sample_ids: list[str]
 
 
+class _Clock:
+    """Marks a step's phases: CUDA events on the GPU (read once the step is waited
+    for), the host clock elsewhere (where the host runs the work itself)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks (once the device has passed them)."""
+        m = self._marks
+        if self.cuda:
+            m[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
+        return [b - a for a, b in zip(m, m[1:])]
+
+
+@dataclass
+class _Launched:
+    """A step queued on the device: what ``finish`` collects."""
+
+    plan: StepPlan
+    plain_ids: list[str]  # requests sampled one token
+    plain: SampledTokens | None
+    verify_ids: list[str]  # requests whose drafts are verified, in group order
+    verified: VerifiedTokens | None
+    hidden: torch.Tensor | None  # the step's hidden states, when the drafter wants them
+    clock: _Clock
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return self.plain_ids + self.verify_ids
+
+
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, backend: AttentionBackend, sampler: Sampler, block_size: int
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        sampler: Sampler,
+        block_size: int,
+        drafter: Drafter | None = None,
+        proposes: bool = True,
     ) -> None:
+        """``drafter``: proposes each step's drafts for the next (speculative decoding);
+        ``proposes`` False: it only keeps its KV of the step's tokens (a prefill worker's
+        MTP layers, whose KV goes to the decode worker with the blocks)."""
         self.model = model
         self.backend = backend
         self.sampler = sampler
         self.block_size = block_size
+        self.drafter = drafter
+        self.proposes = proposes
         self.device = next(model.parameters()).device
         self.states: dict[str, _RowState] = {}
         self.graphs: DecodeGraphs | None = None
@@ -124,33 +207,63 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
 
-    def launch(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
+    def launch(self, plan: StepPlan) -> _Launched | None:
         """Queue the plan's forward and sampling on the device; ``finish`` waits for the
         tokens. An UNRESOLVED input token is the one the previous launch sampled for its
         request: it goes from that step's output to this step's input on the device."""
         self._sync_states(plan)
         if plan.is_empty:
             return None
-        sampled = self.sample(plan)
-        if sampled is not None:
-            sample_ids, tokens = sampled
-            self._last = ({rid: i for i, rid in enumerate(sample_ids)}, tokens.tokens)
-            tokens.start_copy()
-        return sampled
+        clock = _Clock(self.device)
+        with torch.inference_mode():
+            logits, hidden = self._logits(plan)
+            clock.mark()
+            launched = self._sample_and_verify(plan, logits, hidden, clock)
+            clock.mark()
+        if launched.plain is not None:
+            self._last = ({rid: i for i, rid in enumerate(launched.plain_ids)},
+                          launched.plain.tokens)  # fmt: skip
+            launched.plain.start_copy()
+        return launched
 
-    def finish(self, launched: tuple[list[str], SampledTokens] | None) -> StepResult:
+    def finish(self, launched: _Launched | None) -> StepResult:
         if launched is None:
             return StepResult({})
-        sample_ids, tokens = launched
-        out = tokens.to_host()  # the step's one device-to-host copy: waits for the step
+        emitted: dict[str, list[int]] = {}
+        logprobs: dict[str, list] = {}
+        if launched.plain is not None:
+            out = launched.plain.to_host()  # the step's device-to-host copy: waits for it
+            for rid, token, lp in zip(launched.plain_ids, out.token_ids, out.logprobs):
+                emitted[rid] = [token]
+                if lp is not None:
+                    logprobs[rid] = [lp]
+        if launched.verified is not None:
+            drafts = {c.request_id: c.num_draft for c in launched.plan.chunks if c.num_draft}
+            for rid, (tokens, lps) in zip(launched.verify_ids, launched.verified.to_host()):
+                emitted[rid] = tokens
+                if lps[0] is not None:
+                    logprobs[rid] = lps
+                if self.drafter is not None:
+                    self.drafter.observe(rid, drafts[rid], len(tokens) - 1)
         prompt = {
             rid: state.take_prompt_logprobs()
-            for rid in sample_ids
+            for rid in launched.sample_ids
             if (state := self.states.get(rid)) is not None and state.wants_prompt_logprobs
         }
-        ended = self._advance(sample_ids, out.token_ids)
-        logprobs = {rid: lp for rid, lp in zip(sample_ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(sample_ids, out.token_ids)), logprobs, ended, prompt)
+        ended = self._record(emitted)
+        start = time.perf_counter()
+        proposals = self._propose(launched, emitted, ended)
+        draft_s = time.perf_counter() - start
+        forward_s, sample_s = launched.clock.spans()
+        return StepResult(
+            {rid: tokens[-1] for rid, tokens in emitted.items()},
+            {rid: lps[: len(emitted[rid])] for rid, lps in logprobs.items()},
+            ended,
+            prompt,
+            accepted={rid: t[:-1] for rid, t in emitted.items() if len(t) > 1},
+            proposals=proposals,
+            timing=StepTiming(forward_s, sample_s, draft_s),
+        )
 
     def resolve_inputs(self, ids: torch.Tensor, host_ids: np.ndarray, owners: list[str]) -> None:
         """Replace, in the device tensor ``ids`` (a copy of ``host_ids``), every
@@ -166,38 +279,90 @@ class ModelRunner:
         ]
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
-        """Run the plan's forward and sampling; returns the sampled requests and their
-        tokens still on the device (None when no chunk samples). Only queues device work."""
+        """Run the forward and sampling of a plan without drafts; returns the sampled
+        requests and their tokens still on the device (None when no chunk samples). Only
+        queues device work."""
+        if plan.num_draft_tokens:
+            raise ValueError("a plan with drafts is verified: use launch")
         with torch.inference_mode():
-            logits, sample_ids = self._logits(plan)
+            logits, _ = self._logits(plan)
+            sample_ids = [c.request_id for c in plan.chunks if c.sample]
             if not sample_ids:
                 return None
-            states = [self.states[rid] for rid in sample_ids]
-            mask = build_mask([s.grammar for s in states], self.sampler.vocab_size)
-            return sample_ids, self.sampler.sample(logits, [s.row() for s in states], mask)
+            return sample_ids, self._sample_plain(logits, sample_ids)
 
-    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, list[str]]:
-        """Logits of the rows to sample and their request ids."""
+    def _sample_plain(self, logits: torch.Tensor, sample_ids: list[str]) -> SampledTokens:
+        states = [self.states[rid] for rid in sample_ids]
+        mask = build_mask([s.grammar for s in states], self.sampler.vocab_size)
+        return self.sampler.sample(logits, [s.row() for s in states], mask)
+
+    def _sample_and_verify(
+        self, plan: StepPlan, logits: torch.Tensor, hidden: torch.Tensor | None, clock: _Clock
+    ) -> _Launched:
+        """Sample the plain chunks' rows and verify the drafts of the others (``logits``
+        holds each sampling chunk's rows in turn)."""
+        plain_ids, plain_rows, verify_ids, verify_rows, groups = [], [], [], [], []
+        row = 0
+        for chunk in plan.chunks:
+            if not chunk.sample:
+                continue
+            if chunk.num_draft:
+                verify_ids.append(chunk.request_id)
+                groups.append(DraftGroup(len(verify_rows), chunk.draft_token_ids))
+                verify_rows += range(row, row + chunk.num_sampled_rows)
+            else:
+                plain_ids.append(chunk.request_id)
+                plain_rows.append(row)
+            row += chunk.num_sampled_rows
+        plain = verified = None
+        if plain_ids:
+            rows = logits if not verify_ids else logits[_rows(plain_rows, self.device)]
+            plain = self._sample_plain(rows, plain_ids)
+        if verify_ids:
+            rows = logits if not plain_ids else logits[_rows(verify_rows, self.device)]
+            verified = self._verify(rows, verify_ids, groups)
+        wanted = self.drafter is not None and self.drafter.needs_hidden
+        return _Launched(plan, plain_ids, plain, verify_ids, verified,
+                         hidden if wanted else None, clock)  # fmt: skip
+
+    def _verify(
+        self, logits: torch.Tensor, request_ids: list[str], groups: list[DraftGroup]
+    ) -> VerifiedTokens:
+        states = [self.states[rid] for rid in request_ids]
+        rows = [
+            s.row(g.draft_token_ids[:j]) for s, g in zip(states, groups) for j in range(g.num_rows)
+        ]
+        mask = build_draft_mask(
+            [(s.grammar, g.draft_token_ids) for s, g in zip(states, groups)],
+            self.sampler.vocab_size,
+        )
+        return self.sampler.verify(logits, rows, mask, groups)
+
+    def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of the rows to sample or verify (each sampling chunk's in turn) and the
+        step's hidden states (one row per token; None from a CUDA graph without them)."""
         chunks = plan.chunks
-        sample_ids = [c.request_id for c in chunks if c.sample]
         prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
+        if not any(prompt_rows):
+            chunks = _decode_rows(chunks) or chunks
         if self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows):
-            if not sample_ids:
-                return torch.empty(0), []
+            if not any(c.sample for c in chunks):
+                return torch.empty(0), None
             logits = self.graphs.run(chunks)
-            if len(sample_ids) == len(chunks):
-                return logits[: len(chunks)], sample_ids
+            hidden = self.graphs.hidden(len(chunks))
+            if all(c.sample for c in chunks):
+                return logits[: len(chunks)], hidden
             rows = [i for i, c in enumerate(chunks) if c.sample]
-            return logits[_to_device(np.array(rows, dtype=np.int64), self.device)], sample_ids
-        inputs = self.prepare(plan)
+            return logits[_rows(rows, self.device)], hidden
+        inputs = self.prepare(StepPlan(chunks=chunks))
         hidden = self.model(
             inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
         )
         if any(prompt_rows):
             self._prompt_logprobs(chunks, prompt_rows, hidden)
         if not inputs.sample_ids:
-            return torch.empty(0), []
-        return self.model.compute_logits(hidden[inputs.sample_rows]), inputs.sample_ids
+            return torch.empty(0), hidden
+        return self.model.compute_logits(hidden[inputs.sample_rows]), hidden
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], rows: list[range], hidden: torch.Tensor
@@ -218,25 +383,79 @@ class ModelRunner:
             first_row += chunk.num_tokens
 
     def _advance(self, request_ids: list[str], tokens: list[int]) -> frozenset[str]:
-        """Record each sampled token; returns the requests whose grammar it completed."""
+        """Record one sampled token per request; returns the requests whose grammar it
+        completed."""
+        return self._record({rid: [t] for rid, t in zip(request_ids, tokens)})
+
+    def _record(self, emitted: dict[str, list[int]]) -> frozenset[str]:
+        """Record each request's tokens in order; returns the requests whose grammar they
+        completed (their list is cut after the token that completed it)."""
         ended = set()
-        for rid, token in zip(request_ids, tokens):
+        for rid, tokens in emitted.items():
             state = self.states.get(rid)
-            if state is None:  # it ended while this step ran (overlap): the token is moot
+            if state is None:  # it ended while this step ran (overlap): the tokens are moot
                 continue
-            state.output_token_ids.append(token)
-            if state.grammar is None:
-                continue
-            if not state.grammar.accept(token):
-                log.error("request %s: sampled token %d breaks its grammar; ending it", rid, token)
+            for i, token in enumerate(tokens):
+                state.output_token_ids.append(token)
+                if state.grammar is None:
+                    continue
+                if not state.grammar.accept(token):
+                    log.error("request %s: token %d breaks its grammar; ending it", rid, token)
+                elif not state.grammar.is_terminated:
+                    continue
                 ended.add(rid)
-            elif state.grammar.is_terminated:
-                ended.add(rid)
+                del tokens[i + 1 :]
+                break
         return frozenset(ended)
+
+    def _propose(
+        self, launched: _Launched, emitted: dict[str, list[int]], ended: frozenset[str]
+    ) -> dict[str, Proposal]:
+        """The drafter's proposals for the requests that sampled and go on, each cut where
+        its grammar would reject a draft."""
+        if self.drafter is None:
+            return {}
+        chunks = launched.plan.chunks
+        num_real, token_ids, requests = [], [], []
+        for chunk in chunks:
+            state = self.states.get(chunk.request_id)
+            tokens = emitted.get(chunk.request_id)
+            token_ids.append(state.token_ids() if state is not None else chunk.token_ids)
+            if not chunk.sample or tokens is None:
+                num_real.append(chunk.num_tokens - chunk.num_draft)
+                continue
+            num_real.append(chunk.num_tokens - chunk.num_draft + len(tokens) - 1)
+            if state is None or chunk.request_id in ended:
+                continue
+            sp = state.new.sampling
+            room = min(self.drafter.max_draft, sp.max_tokens - len(state.output_token_ids) - 1)
+            if self.proposes and sp.speculative and room > 0:
+                requests.append(DraftRequest(chunk.request_id, token_ids[-1],
+                                             chunk.block_ids, room))  # fmt: skip
+        step = DraftStep(chunks, num_real, token_ids, requests, launched.hidden)
+        with torch.inference_mode():
+            proposals = self.drafter.propose(step)
+        out = {}
+        for rid, proposal in proposals.items():
+            grammar = self.states[rid].grammar
+            if grammar is not None:
+                valid = grammar.valid_prefix(proposal.token_ids)
+                proposal = Proposal(proposal.start, proposal.token_ids[:valid],
+                                    proposal.confidence[:valid])  # fmt: skip
+            if proposal.token_ids:
+                out[rid] = proposal
+        return out
 
     def _sync_states(self, plan: StepPlan) -> None:
         for rid in plan.finished_ids:
             self.states.pop(rid, None)
+            if self.drafter is not None:
+                self.drafter.drop(rid)
+        if self.drafter is not None:
+            for rid in plan.preempted_ids:
+                self.drafter.reset(rid)
+            for new in plan.new_requests:
+                self.drafter.add(new)
         for new in plan.new_requests:
             generator = None
             if new.sampling.seed is not None:
@@ -247,43 +466,74 @@ class ModelRunner:
             self.states[new.request_id] = state
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        bs = self.block_size
-        chunks = plan.chunks
-        query_lens = [c.num_tokens for c in chunks]
-        seq_lens = [c.end_pos for c in chunks]
-        positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_ids)] = c.block_ids
-        owner = np.repeat(np.arange(len(chunks)), query_lens)
-        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
-        cu = np.zeros(len(chunks) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=cu[1:])
-        sampled = [i for i, c in enumerate(chunks) if c.sample]
-        dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=_to_device(cu, dev),
-            seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), dev),
-            block_tables=_to_device(tables, dev),
-            slot_mapping=_to_device(slots, dev),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
-        )
-        input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
-        device_ids = _to_device(input_ids, dev)
-        if (input_ids == UNRESOLVED).any():
-            owners = [c.request_id for c in chunks for _ in range(c.num_tokens)]
-            self.resolve_inputs(device_ids, input_ids, owners)
-        return StepInputs(
-            input_ids=device_ids,
-            positions=_to_device(positions.astype(np.int64), dev),
-            meta=meta,
-            sample_rows=_to_device(cu[1:][sampled].astype(np.int64) - 1, dev),
-            sample_ids=[chunks[i].request_id for i in sampled],
-        )
+        """The step's tensors; UNRESOLVED input tokens come from the previous launch."""
+        inputs, host_ids = step_inputs(plan.chunks, self.block_size, self.device)
+        if (host_ids == UNRESOLVED).any():
+            owners = [c.request_id for c in plan.chunks for _ in range(c.num_tokens)]
+            self.resolve_inputs(inputs.input_ids, host_ids, owners)
+        return inputs
+
+
+def step_inputs(
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device
+) -> tuple[StepInputs, np.ndarray]:
+    """The tensors of a forward over ``chunks`` (each a sequence's next tokens over its
+    block table): ids, positions, attention metadata, and the rows to sample (each
+    sampling chunk's last ``num_sampled_rows``); also the ids as a host array."""
+    bs = block_size
+    query_lens = [c.num_tokens for c in chunks]
+    seq_lens = [c.end_pos for c in chunks]
+    positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
+    for i, c in enumerate(chunks):
+        tables[i, : len(c.block_ids)] = c.block_ids
+    owner = np.repeat(np.arange(len(chunks)), query_lens)
+    slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+    cu = np.zeros(len(chunks) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=cu[1:])
+    sampled = [i for i, c in enumerate(chunks) if c.sample]
+    sample_rows = np.array(
+        [r for i in sampled for r in range(cu[i + 1] - chunks[i].num_sampled_rows, cu[i + 1])],
+        dtype=np.int64,
+    )
+    meta = AttentionMetadata(
+        query_start_loc=_to_device(cu, device),
+        seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
+        block_tables=_to_device(tables, device),
+        slot_mapping=_to_device(slots, device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
+    inputs = StepInputs(
+        input_ids=_to_device(input_ids, device),
+        positions=_to_device(positions.astype(np.int64), device),
+        meta=meta,
+        sample_rows=_to_device(sample_rows, device),
+        sample_ids=[chunks[i].request_id for i in sampled],
+    )
+    return inputs, input_ids
+
+
+def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
+    """When every chunk is one token plus drafts (some with drafts), each token as a
+    one-token chunk of its own over its sequence's blocks; else None."""
+    if not any(c.num_draft for c in chunks) or any(
+        not c.sample or c.num_tokens != c.num_draft + 1 for c in chunks
+    ):
+        return None
+    return [
+        ScheduledChunk(c.request_id, [t], c.start_pos + j, c.block_ids, True)
+        for c in chunks
+        for j, t in enumerate(c.token_ids)
+    ]
+
+
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
+    return _to_device(np.array(rows, dtype=np.int64), device)
 
 
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:

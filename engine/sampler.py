@@ -28,6 +28,21 @@ Logprobs are the raw model's, as vLLM reports them by default: ``log_softmax`` o
 logits before any step above; the sampled token's plus the ``params.logprobs`` best tokens,
 best first.
 
+Verification (``Sampler.verify(logits, rows, mask, groups)``, speculative decoding): each
+``DraftGroup`` is one request's ``k + 1`` consecutive rows, row ``j`` scoring the position
+after its ``j``-th draft token, with a ``SamplingRow`` whose output history holds the
+drafts before it (so steps 1-5 see what sampling there would see; the mask row is the
+grammar's state after those drafts). Per row, steps 1-5 and then 6 (greedy: all mass on
+the argmax) or 7's filters give the target distribution ``q``. A draft is a point mass
+(the drafter's one proposed token ``d``): draft ``j + 1`` is kept when ``u < q_j(d)``
+for a fresh uniform ``u`` (greedy: iff ``d`` is the argmax), and the first rejection
+stops the group; the token sampled at the first rejected row comes from the residual
+``q_j`` with ``d`` removed and renormalised, and after ``k`` kept drafts from ``q_k``.
+The tokens a group yields (kept drafts, then the sampled one) are therefore distributed
+exactly as sampling one token at a time would give them. Logprobs are the raw model's of
+each token yielded, at its row. Two uniforms per row (acceptance, then the draw), from
+the row's generator when it has one.
+
 Prompt logprobs (``Sampler.prompt_logprobs(logits, targets, k)``): the same raw logprobs of
 *given* tokens, one per row (a prompt position's logits and the prompt token that follows
 it), with each token's rank and the ``k`` best tokens; nothing is sampled.
@@ -193,12 +208,48 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Step 7 for rows that are all non-greedy; returns their token ids."""
-        temperatures = [max(row.params.temperature, MIN_TEMPERATURE) for row in rows]
-        scaled = logits / _column(temperatures, logits)
-        apply_top_k(scaled, [row.params.top_k for row in rows])
-        apply_top_p(scaled, [row.params.top_p for row in rows])
-        apply_min_p(scaled, [row.params.min_p for row in rows])
-        return sample_inverse_cdf(scaled.softmax(-1), self._uniforms(rows))
+        return sample_inverse_cdf(filtered_probs(logits, rows), self._uniforms(rows))
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        mask: TokenMask | None,
+        groups: Sequence[DraftGroup],
+    ) -> VerifiedTokens:
+        """Keep or reject each group's drafts and sample the token after the kept ones (the
+        module docstring's verification); queued on the device, never waited for."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        if sum(g.num_rows for g in groups) != len(rows):
+            raise ValueError("draft groups must cover the rows exactly")
+        raw = logits[:, : self.vocab_size]
+        probs = target_probs(apply_mask(process_logits(raw, rows), raw, mask), rows)
+        draft = [-1] * len(rows)  # each row's next draft token (-1: the group's last row)
+        for g in groups:
+            draft[g.row : g.row + g.num_draft] = g.draft_token_ids
+        draft_t = _on(draft, probs)
+        has_draft = draft_t >= 0
+        safe = draft_t.clamp(min=0).unsqueeze(1)
+        q_draft = probs.gather(1, safe).squeeze(1)
+        keep = has_draft & (self._uniforms(rows) < q_draft)
+        residual = probs.scatter(1, safe, torch.zeros_like(q_draft).unsqueeze(1))
+        residual = torch.where(has_draft.unsqueeze(1), residual, probs)
+        empty = residual.sum(-1, keepdim=True) <= 0  # q(d) == 1: that row always keeps
+        drawn = sample_inverse_cdf(torch.where(empty, probs, residual), self._uniforms(rows))
+        # per group: kept = leading run of kept drafts; the yield of row j is its draft
+        # while j < kept, then the token drawn at row ``kept``
+        width = max(g.num_rows for g in groups)
+        index = _on([[g.row + min(j, g.num_draft) for j in range(width)] for g in groups], probs)
+        valid = _on([[j < g.num_draft for j in range(width)] for g in groups], probs, torch.bool)
+        kept = (keep[index] & valid).long().cumprod(1).sum(1)  # [G]
+        first = _on([g.row for g in groups], probs)
+        owner = _on([i for i, g in enumerate(groups) for _ in range(g.num_rows)], probs)
+        offset = torch.arange(len(rows), device=probs.device) - first[owner]
+        final = drawn[first + kept]
+        tokens = torch.where(offset < kept[owner], draft_t, final[owner])
+        logprobs = token_logprobs_on_device(raw, rows, tokens)
+        return VerifiedTokens(list(groups), tokens, kept, logprobs)
 
     def _uniforms(self, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """One uniform number in [0, 1) per row, from the row's own generator when it has one."""
@@ -213,6 +264,45 @@ class Sampler:
             if row.generator is not None:
                 u[i] = torch.rand(1, device=self.device, generator=row.generator)[0]
         return u
+
+
+@dataclass(frozen=True)
+class DraftGroup:
+    """One request's rows in ``Sampler.verify``: rows ``row .. row + num_draft`` of the
+    logits, the draft tokens they check (``draft_token_ids[j]`` follows row ``row + j``)."""
+
+    row: int
+    draft_token_ids: list[int]
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_token_ids) + 1
+
+
+@dataclass
+class VerifiedTokens:
+    """``Sampler.verify``'s outcome, still on the device: per row the token it yields
+    (meaningful up to each group's kept count), per group how many drafts were kept."""
+
+    groups: list[DraftGroup]
+    tokens: torch.Tensor  # [R]
+    kept: torch.Tensor  # [G]
+    logprobs: _DeviceLogprobs | None = None
+
+    def to_host(self) -> list[tuple[list[int], list[TokenLogprob | None]]]:
+        """Per group: the tokens it yields (kept drafts, then the sampled one) and their
+        logprobs (None where not asked for)."""
+        tokens, kept = self.tokens.tolist(), self.kept.tolist()
+        lps = [None] * len(tokens) if self.logprobs is None else self.logprobs.to_host(len(tokens))
+        out = []
+        for g, n in zip(self.groups, kept):
+            rows = slice(g.row, g.row + n + 1)
+            out.append((tokens[rows], lps[rows]))
+        return out
 
 
 # -- steps 1-4: logits processing -------------------------------------------------------------
@@ -321,6 +411,32 @@ def apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask | None) 
 
 
 # -- step 7: filters and the draw -------------------------------------------------------------
+
+
+def filtered_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Step 7 without the draw, for non-greedy rows: the distribution that is sampled."""
+    temperatures = [max(row.params.temperature, MIN_TEMPERATURE) for row in rows]
+    scaled = logits / _column(temperatures, logits)
+    apply_top_k(scaled, [row.params.top_k for row in rows])
+    apply_top_p(scaled, [row.params.top_p for row in rows])
+    apply_min_p(scaled, [row.params.min_p for row in rows])
+    return scaled.softmax(-1)
+
+
+def target_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution each row's token is drawn from, after steps 1-5 (``logits``):
+    all mass on the argmax for greedy rows (step 6), step 7's filters for the others."""
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+    rest = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if not greedy:
+        return filtered_probs(logits, rows)
+    probs = torch.zeros_like(logits)
+    best = _take(logits, greedy).argmax(-1, keepdim=True)
+    one_hot = torch.zeros(len(greedy), logits.shape[1], dtype=logits.dtype, device=logits.device)
+    _put(probs, greedy, one_hot.scatter_(1, best, 1.0))
+    if rest:
+        _put(probs, rest, filtered_probs(_take(logits, rest), [rows[i] for i in rest]))
+    return probs
 
 
 def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> None:

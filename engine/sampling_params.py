@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # prefill (which then skips the prefix cache: every prompt position runs the model)
     prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured output: only text the grammar accepts
+    speculative: bool = True  # False: never verify drafts for it (where speculation is on)
 
     def __post_init__(self) -> None:
         problems = list(self.problems())

@@ -8,6 +8,14 @@ next chunk), then waiting ones in arrival order. When blocks run out, the most r
 admitted running sequence is preempted: its blocks are freed and it re-enters the queue
 head, to be recomputed (mostly from the prefix cache) later.
 
+Speculative decoding adds one step after those (``_add_drafts``): each sampling chunk whose
+request holds fresh drafts (``engine.spec.manager.SpecDecoding``) may verify some of
+them after its last token, as many as the verify policy chooses within the token budget
+and the free blocks (drafts never preempt anyone). ``update`` then keeps the tokens the
+runner accepted, applying the stop rules token by token, and gives back the blocks that
+held only rejected drafts (``KVCacheManager.truncate``). A model drafter writes its own
+KV a few positions past a step's tokens: a sampling chunk's blocks cover that lookahead.
+
 A request that asks for prompt logprobs skips the prefix-cache match until it has its
 first token: every prompt position must run through the model for its logprobs (the
 runner computes them in the same prefill), so a cached prefix is recomputed for it, and
@@ -17,20 +25,31 @@ only for it; its ``num_cached_tokens`` is 0.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import NO_MATCH, KVCacheManager, PrefixMatch
 from engine.messages import EngineStats, RequestOutput
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.request import UNRESOLVED, Request, Status
+from engine.spec.manager import SpecDecoding
 
 
 class Scheduler:
     # whether the next step may be planned before this one's tokens are known (engine.core)
     overlappable = True
+    drafts = True  # whether its requests decode here, so that speculation can help them
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        spec: SpecDecoding | None = None,
+    ) -> None:
+        """``spec``: speculative decoding's drafts and verify policy (default: none)."""
         self.config = config
+        self.spec = spec if spec is not None else SpecDecoding(SpeculativeConfig())
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -66,6 +85,8 @@ class Scheduler:
         preempted: list[str] = []
         budget = self._schedule_running(budget, chunks, preempted)
         new_requests = [] if preempted else self._schedule_waiting(budget, chunks)
+        self._add_drafts(chunks, self.config.max_num_batched_tokens - sum(c.num_tokens
+                                                                          for c in chunks))
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(chunks, new_requests, finished, preempted, self.kv.take_computing())
 
@@ -79,13 +100,14 @@ class Scheduler:
                 i += 1  # the step in flight gives it its last token
                 continue
             n = min(req.num_pending_tokens, budget)
-            while not self.kv.can_allocate(req, n):
+            need = self._kv_tokens(req, req.num_computed_tokens, n)
+            while not self.kv.can_allocate(req, need):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     return budget
-            self.kv.allocate(req, n)
+            self.kv.allocate(req, need)
             chunks.append(self._chunk(req, n))
             budget -= n
             i += 1
@@ -97,11 +119,12 @@ class Scheduler:
             req = self.waiting[0]
             match = NO_MATCH if req.computes_whole_prompt else self.kv.match_prefix(req)
             n = min(req.num_tokens - match.num_tokens, budget)
-            if not self.kv.can_allocate(req, n, match):
+            need = self._kv_tokens(req, match.num_tokens, n)
+            if not self.kv.can_allocate(req, need, match):
                 break
             self.waiting.popleft()
             self._admit(req, match)
-            self.kv.allocate(req, n, match)
+            self.kv.allocate(req, need, match)
             chunks.append(self._chunk(req, n))
             budget -= n
             if req.request_id not in self._known_to_runner:
@@ -125,13 +148,57 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
-        """The next ``n`` tokens after what is computed, once their blocks are allocated."""
+    def _kv_tokens(self, req: Request, start: int, n: int) -> int:
+        """Tokens to hold KV room for when ``n`` tokens from ``start`` run: a chunk that
+        ends at the request's last token also keeps the drafter's lookahead (within the
+        context length)."""
+        if start + n < req.num_tokens or not self.spec.kv_lookahead:
+            return n
+        return max(n, min(n + self.spec.kv_lookahead, self.max_model_len - start))
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Let sampling chunks verify drafts after their last token: as many as the verify
+        policy chooses, within ``budget`` tokens and the free blocks."""
+        if not self.spec.enabled or budget <= 0:
+            return
+        where, candidates = [], []
+        for i, chunk in enumerate(chunks):
+            if chunk.sample:
+                req = self.requests[chunk.request_id]
+                candidate = self.spec.drafts_for(req, self._draft_room(req))
+                if candidate is not None:
+                    where.append(i)
+                    candidates.append(candidate)
+        base_tokens = sum(c.num_tokens for c in chunks)
+        lengths = self.spec.lengths(candidates, base_tokens, sum(c.sample for c in chunks))
+        for i, candidate, k in zip(where, candidates, lengths):
+            req, n = candidate.request, chunks[i].num_tokens
+            k = min(k, budget)
+            while k and not self.kv.can_allocate(req, self._kv_tokens(req, chunks[i].start_pos,
+                                                                      n + k)):  # fmt: skip
+                k -= 1
+            if not k:
+                continue
+            self.kv.allocate(req, self._kv_tokens(req, chunks[i].start_pos, n + k))
+            chunks[i] = self._chunk(req, n, candidate.token_ids[:k])
+            self.spec.verifying(req.request_id, candidate.curve[:k])
+            budget -= k
+
+    def _draft_room(self, req: Request) -> int:
+        """Most drafts ``req`` may verify: all kept plus one more token stay within its
+        max_tokens and the context length."""
+        left = req.sampling.max_tokens - len(req.output_token_ids) - 1
+        return min(self.spec.max_draft, left, self.max_model_len - req.num_tokens - 1)
+
+    def _chunk(self, req: Request, n: int, drafts: Sequence[int] = ()) -> ScheduledChunk:
+        """The next ``n`` tokens after what is computed, then ``drafts`` to verify after
+        them, once their blocks are allocated."""
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         block_ids = [b.block_id for b in req.blocks]
         return ScheduledChunk(
-            req.request_id, req.token_ids(start, end), start, block_ids, end == req.num_tokens
-        )
+            req.request_id, req.token_ids(start, end) + list(drafts), start, block_ids,
+            end == req.num_tokens, len(drafts),
+        )  # fmt: skip
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -158,39 +225,61 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.kv.commit(plan.computing)  # the blocks this plan filled are computed now
+        self.spec.observe(plan, result)
         outputs = []
         for chunk in plan.chunks:
-            req = self.requests.get(chunk.request_id)
+            rid = chunk.request_id
+            req = self.requests.get(rid)
             if req is None:
                 continue
             if chunk.sample and req.num_unresolved:  # assumed: fill in its token
-                req.resolve(result.sampled[req.request_id])
-                token = req.output_token_ids[req.num_resolved_outputs - 1]
+                req.resolve(result.sampled[rid])
+                tokens = [req.output_token_ids[req.num_resolved_outputs - 1]]
+                reason = self._last_reason(req, tokens[0], result)
             else:
                 if req.status is not Status.RUNNING:
                     continue
-                req.num_computed_tokens = chunk.end_pos
+                kept = len(result.accepted.get(rid, ()))
+                req.num_computed_tokens = chunk.end_pos - chunk.num_draft + kept
                 if not chunk.sample:
                     continue
-                token = result.sampled[req.request_id]
-                req.output_token_ids.append(token)
-            reason = "stop" if req.request_id in result.ended else self._stop_reason(req, token)
+                tokens, reason = self._append(req, result.tokens(rid), result)
+                if reason is None and (chunk.num_draft or self.spec.kv_lookahead):
+                    self.kv.truncate(req, req.num_computed_tokens + max(1, self.spec.kv_lookahead))
+            logprobs = result.logprobs.get(rid)
             outputs.append(
                 RequestOutput(
-                    req.request_id,
-                    [token],
+                    rid,
+                    tokens,
                     reason,
                     req.num_cached_tokens,
-                    [result.logprobs[req.request_id]]
-                    if req.request_id in result.logprobs
-                    else None,
+                    None if logprobs is None else logprobs[: len(tokens)],
                     req.stop_token_id,
-                    prompt_logprobs=result.prompt_logprobs.get(req.request_id),
+                    prompt_logprobs=result.prompt_logprobs.get(rid),
                 )
             )
             if reason is not None:
                 self._finish(req, reason)
         return outputs
+
+    def _append(
+        self, req: Request, tokens: list[int], result: StepResult
+    ) -> tuple[list[int], str | None]:
+        """Append ``tokens`` one by one until one ends the request; returns those appended
+        and the finish reason (None: it goes on)."""
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            if i == len(tokens) - 1:
+                reason = self._last_reason(req, token, result)
+            else:
+                reason = self._stop_reason(req, token)
+            if reason is not None:
+                return tokens[: i + 1], reason
+        return tokens, None
+
+    def _last_reason(self, req: Request, token: int, result: StepResult) -> str | None:
+        """The stop rules for a step's last token of ``req``, whose grammar may end there."""
+        return "stop" if req.request_id in result.ended else self._stop_reason(req, token)
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         sp = req.sampling
@@ -214,6 +303,7 @@ class Scheduler:
         elif req.status in (Status.WAITING, Status.PREEMPTED):
             self.waiting.remove(req)
         self.kv.free(req)
+        self.spec.forget(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -234,6 +324,7 @@ class Scheduler:
             prefix_hit_tokens=self.kv.hit_tokens,
             num_preemptions=self.num_preemptions,
             **self.kv.tier_stats(),
+            **self.spec.stats(),
         )
 
     def check_integrity(self) -> None:

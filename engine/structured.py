@@ -18,6 +18,10 @@ The pieces, in the order a constrained request meets them:
   that takes over a request mid-generation (a decode worker after prefill).
 - ``build_mask`` fills one bitmask row per constrained request of a step; the sampler
   applies it (``TokenMask.apply``) after its logits processing and before choosing.
+- Speculative decoding: ``GrammarState.valid_prefix`` says how many of a proposal's drafts
+  the grammar accepts (the rest are dropped before they are verified), and
+  ``build_draft_mask`` fills a request's verify rows with the grammar's state after each
+  draft; both roll the matcher back, so its state stays that of the tokens generated.
 """
 
 from __future__ import annotations
@@ -245,6 +249,33 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts from here (none past the one
+        that completes it); the state is left as it was."""
+        n = 0
+        for token in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_ahead(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> None:
+        """Fill rows ``row .. row + len(drafts)``: row ``row + j`` with the state after the
+        first ``j`` drafts (rows after a draft the grammar rejects stay all-allowed: no
+        draft before them is kept); the state is left as it was."""
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            if self.matcher.is_terminated():
+                break
+            self.matcher.fill_next_token_bitmask(bitmask, row + j)
+            if j == len(drafts) or not self.matcher.accept_token(drafts[j]):
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+
 
 @dataclass(frozen=True)
 class TokenMask:
@@ -264,6 +295,24 @@ class TokenMask:
         _xgr().apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.vocab_size, indices=rows
         )
+
+
+def build_draft_mask(
+    groups: Sequence[tuple[GrammarState | None, Sequence[int]]], vocab_size: int
+) -> TokenMask | None:
+    """The mask of verify rows: per request its grammar state (or None) and drafts, which
+    take ``len(drafts) + 1`` rows; None when no request is constrained."""
+    if all(state is None for state, _ in groups):
+        return None
+    num_rows = sum(len(drafts) + 1 for _, drafts in groups)
+    bitmask = _xgr().allocate_token_bitmask(num_rows, vocab_size)
+    rows, row = [], 0
+    for state, drafts in groups:
+        if state is not None:
+            state.fill_ahead(bitmask, row, drafts)
+            rows += range(row, row + len(drafts) + 1)
+        row += len(drafts) + 1
+    return TokenMask(bitmask, rows, vocab_size)
 
 
 def build_mask(states: Sequence[GrammarState | None], vocab_size: int) -> TokenMask | None:

@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import zmq.asyncio
@@ -293,10 +294,10 @@ class WorkerPools:
     @property
     def stats(self) -> EngineStats:
         """The live workers' latest stats, summed (what the single-engine metrics show)."""
-        total: dict[str, int] = {}
+        total: dict[str, Any] = {}
         for s in (w.stats for w in self.workers if w.alive and w.stats is not None):
             for k, v in msgspec.structs.asdict(s).items():
-                total[k] = total.get(k, 0) + v
+                total[k] = _add(total.get(k), v)
         return EngineStats(**total)
 
     def collectors(self) -> list:
@@ -314,3 +315,14 @@ def worker_devices(device: str, count: int) -> list[str]:
     if n == 0:
         raise ValueError("--device cuda, but no GPU is visible")
     return [f"cuda:{i % n}" for i in range(count)]
+
+
+def _add(total: Any, value: Any) -> Any:
+    """``total + value`` for a stats field: numbers add, per-position lists add elementwise
+    (the longer list's tail kept)."""
+    if total is None:
+        return value
+    if isinstance(value, list):
+        longer, shorter = (total, value) if len(total) >= len(value) else (value, total)
+        return [a + b for a, b in zip(longer, shorter)] + longer[len(shorter) :]
+    return total + value

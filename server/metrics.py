@@ -54,9 +54,42 @@ class EngineStatsCollector(Collector):
         ):  # fmt: skip
             yield CounterMetricFamily(f"ferry_{name}", doc, value=value)
         yield from _tier_metrics(stats)
+        yield from _spec_metrics(stats)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding: drafts by position, acceptance length, verify budget, and how
+    far the verify policy's estimates were from what happened."""
+    for name, doc, values in (
+        ("spec_draft_tokens_proposed", "Draft tokens the drafter proposed, by position",
+         s.spec_draft_proposed),
+        ("spec_draft_tokens_verified", "Draft tokens verified, by position",
+         s.spec_draft_verified),
+        ("spec_draft_tokens_accepted", "Draft tokens kept, by position", s.spec_draft_accepted),
+    ):  # fmt: skip
+        family = CounterMetricFamily(f"ferry_{name}", doc, labels=["position"])
+        for i, value in enumerate(values):
+            family.add_metric([str(i + 1)], value)
+        yield family
+    groups, steps = s.spec_verify_groups, s.spec_verify_steps
+    accepted, verified = sum(s.spec_draft_accepted), sum(s.spec_draft_verified)
+    for name, doc, value in (
+        ("spec_mean_acceptance_length", "Tokens a request gets per step that verifies its "
+         "drafts: 1 + the mean drafts kept", 1 + accepted / groups if groups else 0.0),
+        ("spec_mean_verify_budget", "Draft tokens verified per step that verifies any",
+         verified / steps if steps else 0.0),
+        ("spec_acceptance_estimate_error", "Mean |expected - kept| drafts per request and "
+         "step, from the verify policy's acceptance estimates",
+         s.spec_error_milli / 1000 / groups if groups else 0.0),
+        ("spec_step_time_estimate_error", "Mean relative error of the step-cost model's "
+         "predicted step time", s.spec_time_error_us / s.spec_time_us if s.spec_time_us else 0.0),
+    ):  # fmt: skip
+        yield GaugeMetricFamily(f"ferry_{name}", doc, value=value)
+    yield CounterMetricFamily("ferry_spec_verify_steps", "Steps that verified drafts",
+                              value=steps)  # fmt: skip
 
 
 def _tier_metrics(s: EngineStats) -> Iterator[Metric]:

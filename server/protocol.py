@@ -195,6 +195,8 @@ class SamplingFields(RequestBody):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     prompt_logprobs: int | None = None
+    # ferry: false keeps this request out of speculative decoding (where it is on)
+    speculative: bool = True
 
     @field_validator("stream_options")
     @classmethod

@@ -23,7 +23,14 @@ import time
 from typing import Any
 
 from engine import envs
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
+from engine.config import (
+    SPEC_SCHEDULES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputConfig,
+)
 from engine.kv_cache.sizing import available_memory_bytes, host_tier_bytes
 from engine.worker.config import TransferConfig
 from router.config import PDConfig
@@ -34,6 +41,7 @@ from server.config import MAX_TOKENS_DEFAULT, ServerConfig
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
 # slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
 CUDA_BLOCK_SIZE = 128
+DEFAULT_SPECULATIVE_TOKENS = 3  # K when --speculative is given without --num-speculative-tokens
 # On the CPU the KV cache is sized for two contexts of this many tokens unless told (the
 # default model's own 8k would be 0.75 GB of float32 KV per worker, this 0.19 GB).
 CPU_MAX_MODEL_LEN = 2048
@@ -177,6 +185,22 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
     p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", default="none", metavar="DRAFTER",
+                      help="who drafts: ngram (prompt lookup), mtp (the model's own "
+                           "multi-token-prediction layers), draft:PATH (a small model with "
+                           "the target's tokenizer), or none (default)")
+    spec.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=0,
+                      metavar="K", help="most drafts verified per request and step "
+                                        "(default 3 with a drafter)")
+    spec.add_argument("--spec-schedule", choices=list(SPEC_SCHEDULES), default="dynamic",
+                      help="dynamic: each step, the verify budget that maximises expected "
+                           "accepted tokens per second, to the requests with the most to "
+                           "gain; fixed: up to K drafts for every request")
+    spec.add_argument("--spec-confidence-temperatures", type=_floats, default=(1.0,),
+                      metavar="T[,T...]",
+                      help="per draft position, the temperature calibrating a model "
+                           "drafter's confidence: one value, or exactly K")
     tiers = p.add_argument_group("KV tiers below each worker's KV cache")
     tiers.add_argument("--kv-tiers", type=_tier_list,
                        help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
@@ -195,6 +219,27 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                        help="permission bits of KV block files, which hold what prompts "
                             "computed (default: 600, the owner only)")
     # fmt: skip
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, not {text!r}") from None
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    """``--speculative`` and its companions; a clear exit on a bad combination."""
+    k = args.num_speculative_tokens
+    if args.speculative != "none" and not k:
+        k = DEFAULT_SPECULATIVE_TOKENS
+    try:
+        return SpeculativeConfig.parse(
+            args.speculative, num_speculative_tokens=k, schedule=args.spec_schedule,
+            confidence_temperatures=args.spec_confidence_temperatures,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise SystemExit(f"ferry: {exc}") from None
 
 
 def _tier_list(text: str) -> frozenset[str]:
@@ -310,8 +355,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         overlap_scheduling="overlap_scheduling",
     )  # fmt: skip
     return EngineConfig(
-        model=args.model, cache=cache, scheduler=scheduler, structured=structured, **top
-    )
+        model=args.model, cache=cache, scheduler=scheduler, structured=structured,
+        speculative=speculative_config(args), **top,
+    )  # fmt: skip
 
 
 def kv_transport(args: argparse.Namespace) -> str:

@@ -339,6 +339,7 @@ class Serving:
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 grammar=grammar,
+                speculative=req.speculative,
             )
         except ValueError as exc:
             raise invalid_request(str(exc)) from exc

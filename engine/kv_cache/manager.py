@@ -120,6 +120,19 @@ class KVCacheManager:
         if self.tiers is not None and done:
             self.tiers.write_through([(b.block_id, h) for b, h in done if b.block_hash == h])
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Give back ``req``'s blocks past those its first ``num_tokens`` tokens need, tail
+        first: they held only rejected drafts or a drafter's unused lookahead, so none of
+        them is published (a block is published only once real tokens fill it)."""
+        keep = -(-num_tokens // self.block_size)
+        extra = req.blocks[keep:]
+        if not extra:
+            return
+        if any(b.block_hash is not None for b in extra):
+            raise RuntimeError(f"request {req.request_id}: truncating a published block")
+        del req.blocks[keep:]
+        self.pool.free(list(reversed(extra)))
+
     def free(self, req: Request) -> None:
         self.pool.free(list(reversed(req.blocks)))
         req.blocks = []

@@ -1,0 +1,138 @@
+"""The drafter contract: what a drafter is told about each step and what it proposes.
+
+A drafter lives beside the runner (it runs where the model runs) and is called once per
+step, after the step's tokens are known (``ModelRunner.finish``): it sees the step's
+chunks, how many leading tokens of each are now real (a chunk's rejected drafts are not),
+the target's hidden states of the step's rows, and the requests that sampled and go on.
+For each of those it returns a ``Proposal``: up to K tokens that follow the request's
+last token, each with a confidence, the drafter's estimate of the probability that the
+token is kept given that the drafts before it are. The scheduler's side
+(``engine.spec.manager``) turns those into how many drafts each request gets verified in
+the next step; the runner verifies them in that step's one target forward.
+
+A proposal is a point mass: one token per position, never a distribution, so the
+verifier's acceptance test is ``u < q(token)`` (``engine.sampler``).
+
+Drafters that run a model of their own keep its KV in slots of the request's own blocks
+(the target's block table): ``kv_lookahead`` says how many positions past the next
+verify step's tokens they write, which the scheduler keeps allocated for them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.plan import NewRequest, ScheduledChunk
+from kvstore.layout import KVCache
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one request: ``token_ids[j]`` is a guess for the token at index
+    ``start + j`` of prompt + output; ``confidence[j]`` estimates P(token j kept | the
+    drafts before it kept)."""
+
+    start: int
+    token_ids: list[int]
+    confidence: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.confidence):
+            raise ValueError("one confidence per draft token")
+        if any(not 0.0 <= c <= 1.0 for c in self.confidence):
+            raise ValueError(f"confidences are probabilities, got {self.confidence}")
+
+    def survival(self) -> list[float]:
+        """Prefix survival: ``P_i`` = the product of the first ``i + 1`` confidences, the
+        probability that draft ``i`` is kept."""
+        out, p = [], 1.0
+        for c in self.confidence:
+            p *= c
+            out.append(p)
+        return out
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """A request to propose for: it sampled this step and goes on."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt + output, this step's tokens included
+    block_ids: list[int]  # its block table, allocated ``kv_lookahead`` positions ahead
+    num_draft: int  # propose at most this many
+
+
+@dataclass
+class DraftStep:
+    """What one step did, as a drafter needs to know it.
+
+    ``num_real[i]``: leading tokens of ``chunks[i]`` whose KV is now valid (all of a
+    prefill chunk; a verify chunk's input token and its kept drafts). ``token_ids[i]``:
+    the whole known sequence of chunk ``i``'s request (prompt + output, this step's
+    tokens included), so the token after its real ones is ``token_ids[i][start + num_real]``
+    when known. ``hidden``: the target's final hidden states, one row per token of the
+    step in chunk order (None when the drafter did not ask for them).
+    """
+
+    chunks: list[ScheduledChunk]
+    num_real: list[int]
+    token_ids: list[Sequence[int]]
+    requests: list[DraftRequest] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+
+    def rows(self, i: int) -> range:
+        """Rows of ``hidden`` that hold chunk ``i``'s real tokens."""
+        start = sum(c.num_tokens for c in self.chunks[:i])
+        return range(start, start + self.num_real[i])
+
+
+class Drafter(ABC):
+    """Proposes draft tokens (module docstring). One instance per runner.
+
+    ``add`` / ``drop`` follow the runner's requests; ``reset`` says a request lost its KV
+    (preempted: recomputed later); ``observe`` reports how many of the drafts verified for
+    a request were kept, for drafters that learn their confidence online. ``propose`` is
+    called after every step, with an empty ``requests`` list when nobody samples (a model
+    drafter still writes the KV of the step's tokens then).
+    """
+
+    name = "drafter"
+    needs_hidden = False  # whether ``DraftStep.hidden`` must be filled
+    kv_lookahead = 0  # positions past the verified tokens whose KV slots it writes
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
+
+    def add(self, new: NewRequest) -> None:  # noqa: B027 - optional hook
+        """A request the runner sees for the first time."""
+
+    def drop(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """The request ended."""
+
+    def reset(self, request_id: str) -> None:  # noqa: B027 - optional hook
+        """The request's KV is gone (preempted); it will be recomputed."""
+
+    def observe(self, request_id: str, num_verified: int, num_kept: int) -> None:  # noqa: B027
+        """Of ``num_verified`` drafts verified for the request, the first ``num_kept``
+        were kept."""
+
+    @abstractmethod
+    def propose(self, step: DraftStep) -> dict[str, Proposal]:
+        """Proposals for ``step.requests`` (a request may get none: no good guess)."""
+
+    def kv_layers(self) -> int:
+        """Layers the drafter adds to the target's KV cache (carried with its blocks:
+        prefix cache, tiers, transfers); 0 when it keeps its KV elsewhere or has none."""
+        return 0
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of a KV cache of its own per block of the target's (sizing the cache)."""
+        return 0
+
+    def bind(self, cache: KVCache, num_blocks: int, max_model_len: int) -> None:  # noqa: B027
+        """The target's KV cache exists now (``num_blocks`` blocks; contexts of at most
+        ``max_model_len`` tokens): a drafter with KV of its own allocates it here."""

@@ -1,0 +1,170 @@
+"""The scheduler's side of speculative decoding: which drafts each step verifies.
+
+``SpecDecoding`` is the one object the scheduler asks. It keeps, per request, the latest
+``Proposal`` from the runner's drafter and the survival curve the request had when the
+previous step was planned; ``drafts_for`` says which drafts a request can verify now, and
+``lengths`` asks the ``VerifyPolicy`` how many of them each request verifies. ``observe``
+takes every step's result: the next proposals, the step's times (the policy's cost
+model), and how many drafts were kept (the metrics and the estimator's error).
+
+Freshness. A proposal guesses the tokens at indices ``start ..`` of prompt + output. When
+the step that made it has been collected, ``start`` is the request's token count and the
+drafts follow its last token. Under overlap scheduling the next step is planned while the
+one before runs: the request then ends in one token still unresolved, and the latest
+proposal is one step old, its first draft a guess for that token. The drafts after it are
+still usable — the verifier is exact whatever it is given — with the survival curve moved
+by one (the first draft must have been right for the others to be kept). So no plan waits
+for the step in flight; what waits is the plan after a step that verified drafts, since
+it must know how many were kept to place its tokens.
+
+Lagged statistics. With overlap the policy sizes the total from the curves the requests
+had at the previous plan and ranks requests by the latest ones — the source report's rule
+(budget from step N-2's statistics, per-request lengths from N-1's), so that a later
+confidence never decides whether an earlier draft is verified. Without overlap both are
+the latest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import SpeculativeConfig
+from engine.plan import StepPlan, StepResult
+from engine.request import Request
+from engine.spec.base import Proposal
+from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Drafts one request can verify in the step being planned."""
+
+    request: Request
+    token_ids: list[int]
+    curve: list[float]  # survival P_i of each draft, latest statistics
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative figures (``EngineStats``' ``spec_*`` fields)."""
+
+    proposed: list[int]  # drafts proposed, by position
+    verified: list[int]  # drafts verified, by position
+    accepted: list[int]  # drafts kept, by position
+    groups: int = 0  # (request, step) pairs that verified drafts
+    steps: int = 0  # steps that verified drafts
+    expected_milli: int = 0  # sum of the kept drafts expected (the P of the verified ones)
+    error_milli: int = 0  # sum of |expected - kept| per group
+    time_us: int = 0  # measured step time of the steps the cost model predicted
+    time_error_us: int = 0  # sum of |predicted - measured|
+
+
+class SpecDecoding:
+    """Drafts and verify lengths for the scheduler (module docstring)."""
+
+    def __init__(
+        self, config: SpeculativeConfig, kv_lookahead: int = 0, lagged: bool = False
+    ) -> None:
+        self.config = config
+        self.max_draft = config.max_draft
+        self.kv_lookahead = kv_lookahead  # KV slots a model drafter writes past a step's
+        self.lagged = lagged
+        self.policy: VerifyPolicy = POLICIES[config.schedule]()
+        self._proposals: dict[str, Proposal] = {}
+        self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
+        self._planned: dict[str, list[float]] = {}  # survival of the drafts being verified
+        k = self.max_draft
+        self.counters = SpecCounters([0] * k, [0] * k, [0] * k)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_draft > 0
+
+    def drafts_for(self, req: Request, room: int) -> Candidate | None:
+        """The drafts ``req`` can verify after its last token, at most ``room`` (None:
+        speculation is off for it or it has none)."""
+        proposal = self._proposals.get(req.request_id)
+        if proposal is None or room <= 0 or not req.sampling.speculative:
+            return None
+        skip = req.num_tokens - proposal.start
+        if skip == 0 or (skip == 1 and req.num_unresolved == 1):
+            tokens, curve = proposal.token_ids[skip:], proposal.survival()[skip:]
+            if tokens:
+                return Candidate(req, tokens[:room], curve[:room])
+        return None
+
+    def lengths(
+        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int
+    ) -> list[int]:
+        """Drafts each candidate verifies this step (the policy's choice)."""
+        if not candidates:
+            return []
+        curves = [c.curve for c in candidates]
+        budget_curves = curves
+        if self.lagged:
+            budget_curves = [
+                self._last_curve.get(c.request.request_id, c.curve)[: len(c.curve)]
+                for c in candidates
+            ]
+        for c in candidates:
+            self._last_curve[c.request.request_id] = c.curve
+        step = VerifyStep(curves, budget_curves, base_tokens, base_yield)
+        return self.policy.lengths(step)
+
+    def verifying(self, request_id: str, curve: list[float]) -> None:
+        """The step being planned verifies drafts of ``request_id`` with these survivals."""
+        self._planned[request_id] = curve
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        """Take in a step's outcome: next proposals, times, kept drafts."""
+        counters = self.counters
+        for rid, proposal in result.proposals.items():
+            self._proposals[rid] = proposal
+            for j in range(min(len(proposal.token_ids), self.max_draft)):
+                counters.proposed[j] += 1
+        verified = 0
+        for chunk in plan.chunks:
+            if not chunk.num_draft or chunk.request_id not in result.sampled:
+                continue
+            kept = len(result.accepted.get(chunk.request_id, ()))
+            verified += chunk.num_draft
+            counters.groups += 1
+            for j in range(chunk.num_draft):
+                counters.verified[j] += 1
+                counters.accepted[j] += j < kept
+            curve = self._planned.pop(chunk.request_id, [])
+            expected = sum(curve[: chunk.num_draft])
+            counters.expected_milli += round(1000 * expected)
+            counters.error_milli += round(1000 * abs(expected - kept))
+        counters.steps += verified > 0
+        timing = result.timing
+        if timing is not None and not plan.is_empty:
+            predicted = self.policy.predicted_time(plan.num_tokens)
+            measured = timing.forward_s + timing.sample_s + timing.draft_s
+            if predicted is not None:
+                counters.time_us += round(1e6 * measured)
+                counters.time_error_us += round(1e6 * abs(predicted - measured))
+            self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
+                                timing.draft_s)  # fmt: skip
+
+    def forget(self, request_id: str) -> None:
+        """The request ended."""
+        self._proposals.pop(request_id, None)
+        self._last_curve.pop(request_id, None)
+        self._planned.pop(request_id, None)
+
+    def stats(self) -> dict[str, object]:
+        """The counters as ``EngineStats`` fields."""
+        c = self.counters
+        return {
+            "spec_draft_proposed": list(c.proposed),
+            "spec_draft_verified": list(c.verified),
+            "spec_draft_accepted": list(c.accepted),
+            "spec_verify_groups": c.groups,
+            "spec_verify_steps": c.steps,
+            "spec_expected_milli": c.expected_milli,
+            "spec_error_milli": c.error_milli,
+            "spec_time_us": c.time_us,
+            "spec_time_error_us": c.time_error_us,
+        }
