@@ -6,8 +6,10 @@ waits for its KV block files.
 
 from __future__ import annotations
 
+import math
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -153,3 +155,76 @@ def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
     while len(list(kv_dir.rglob("*.kv"))) < count:
         assert time.monotonic() < deadline, f"fewer than {count} block files in {kv_dir}"
         time.sleep(0.2)
+
+
+# -- chi-square tests (no scipy here) ----------------------------------------------------------
+
+
+def _upper_gamma(a: float, x: float) -> float:
+    """The regularised upper incomplete gamma function Q(a, x) (series below a + 1, a
+    continued fraction above, as in Numerical Recipes' ``gammq``)."""
+    if x <= 0:
+        return 1.0
+    log_front = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > abs(total) * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300
+    b, c, d = x + 1 - a, 1 / tiny, 1 / (x + 1 - a)
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return math.exp(log_front) * h
+
+
+def chi_square_p(observed: Sequence[float], expected: Sequence[float], min_expected=5.0) -> float:
+    """p-value of observed counts against expected counts (cells expected below
+    ``min_expected`` are pooled into one)."""
+    cells, pool_o, pool_e = [], 0.0, 0.0
+    for o, e in zip(observed, expected, strict=True):
+        if e < min_expected:
+            pool_o, pool_e = pool_o + o, pool_e + e
+        else:
+            cells.append((o, e))
+    if pool_e > 0:
+        cells.append((pool_o, pool_e))
+    stat = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    return _upper_gamma((len(cells) - 1) / 2, stat / 2)
+
+
+def chi_square_two_sample_p(a: Counter, b: Counter, min_expected: float = 5.0) -> float:
+    """p-value that counts ``a`` and ``b`` come from one distribution (a 2 x k contingency
+    table; categories expected below ``min_expected`` in either row are pooled)."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    rows, pool = [], [0, 0]
+    for k in keys:
+        total = a[k] + b[k]
+        if min(total * na, total * nb) / (na + nb) < min_expected:
+            pool[0] += a[k]
+            pool[1] += b[k]
+        else:
+            rows.append((a[k], b[k]))
+    if sum(pool):
+        rows.append(tuple(pool))
+    stat = 0.0
+    for oa, ob in rows:
+        total = oa + ob
+        for o, n in ((oa, na), (ob, nb)):
+            e = total * n / (na + nb)
+            stat += (o - e) ** 2 / e
+    return _upper_gamma((len(rows) - 1) / 2, stat / 2)

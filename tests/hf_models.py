@@ -62,11 +62,26 @@ def _qwen3_moe():
     )  # fmt: skip
 
 
+def _llama():
+    """A dense Llama whose next-token distributions are peaked (about 2 nats, the ten most
+    likely tokens holding ~0.93), so that sampling statistics can tell distributions apart."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.5, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257,
+    )  # fmt: skip
+
+
 CONFIGS = {
     "deepseek-v3": _deepseek_v3,
     "deepseek-v3-noqlora": _deepseek_v3_no_q_lora,
     "qwen3-moe": _qwen3_moe,
 }
+# kinds the MoE tests do not sweep: a dense Llama (speculative decoding's target and draft
+# model), and DeepSeek-V3 with the multi-token prediction layer transformers leaves out
+OTHER_CONFIGS = {"llama": _llama, "deepseek-v3-mtp": _deepseek_v3}
 
 
 def tiny_reference(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -74,7 +89,8 @@ def tiny_reference(kind: str, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32).eval()
+    config = {**CONFIGS, **OTHER_CONFIGS}[kind]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -86,9 +102,33 @@ def tiny_reference(kind: str, seed: int = 0) -> torch.nn.Module:
 
 
 def write_tiny_model(kind: str, folder: Path, seed: int = 0) -> Path:
-    """Save the ``kind`` reference into ``folder`` with ``save_pretrained``."""
+    """Save the ``kind`` reference into ``folder`` with ``save_pretrained`` (for
+    ``deepseek-v3-mtp``, then add an MTP layer: ``add_mtp_layer``)."""
     tiny_reference(kind, seed).save_pretrained(folder)
+    if kind == "deepseek-v3-mtp":
+        add_mtp_layer(folder, seed)
     return folder
+
+
+def add_mtp_layer(folder: Path, seed: int = 0) -> None:
+    """Write DeepSeek-V3's multi-token prediction layer (checkpoint layer
+    ``num_hidden_layers``) into ``folder`` as ``mtp.safetensors``: a decoder layer copied
+    from the last one, random ``eh_proj``, norms in [0.5, 1.5]. Its drafts are poor; what
+    runs is the real layer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    weights = load_file(str(folder / "model.safetensors"))
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    out = {mtp + n[len(last) :]: t.clone() for n, t in weights.items() if n.startswith(last)}
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden = weights["model.norm.weight"].shape[0]
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"{mtp}{name}.weight"] = torch.rand(hidden, generator=g) + 0.5
+    out[f"{mtp}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    save_file(out, str(folder / "mtp.safetensors"))
 
 
 def load_reference(folder: Path) -> torch.nn.Module:

@@ -1,0 +1,257 @@
+"""The verify-length policy and its estimators, without a model.
+
+The dynamic policy's choice is checked against a brute-force search over every
+allocation on random acceptance curves and step-cost models; the estimators against
+known cost lines; the manager's lag against its rule (budget from the curves of the
+previous plan, lengths from the latest).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from engine.config import SchedulerConfig, SpeculativeConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.manager import KVCacheManager
+from engine.plan import StepResult
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.spec.base import Proposal
+from engine.spec.cost import ForwardTimeEstimator, MedianEstimator, StepCostModel, graph_size
+from engine.spec.manager import SpecDecoding
+from engine.spec.policy import DynamicPolicy, FixedPolicy, VerifyStep, allocate, best_total
+
+
+def survival(confidences: list[float]) -> list[float]:
+    out, p = [], 1.0
+    for c in confidences:
+        p *= c
+        out.append(p)
+    return out
+
+
+def objective(curves, lengths, base_yield, time) -> float:
+    expected = base_yield + sum(sum(c[:k]) for c, k in zip(curves, lengths))
+    return expected / time(sum(lengths))
+
+
+def brute_force(curves, base_yield, time) -> tuple[float, list[tuple[int, ...]]]:
+    """The best expected tokens per second over every allocation, and every allocation
+    that reaches it."""
+    best, argbest = -1.0, []
+    for lengths in itertools.product(*(range(len(c) + 1) for c in curves)):
+        value = objective(curves, lengths, base_yield, time)
+        if value > best + 1e-12:
+            best, argbest = value, [lengths]
+        elif abs(value - best) <= 1e-12:
+            argbest.append(lengths)
+    return best, argbest
+
+
+def random_case(rng: random.Random):
+    """Curves of 1-4 requests with 0-4 drafts each, and a step-cost model: a forward of
+    baseline + slope x tokens (sometimes with a jump at a graph size), plus a sampler
+    and a drafter time."""
+    curves = [
+        survival([rng.uniform(0.05, 1.0) for _ in range(rng.randint(0, 4))])
+        for _ in range(rng.randint(1, 4))
+    ]
+    base_tokens = len(curves) + rng.choice([0, 0, 7, 60])  # some steps hold prefill tokens
+    baseline, slope = rng.uniform(1, 20), rng.uniform(0.01, 2.0)
+    jump = rng.choice([0.0, 0.0, rng.uniform(0, 5)])
+    fixed = rng.uniform(0, 3)
+
+    def time(drafts: int) -> float:
+        tokens = base_tokens + drafts
+        return baseline + slope * tokens + (jump if tokens > 8 else 0.0) + fixed
+
+    return curves, len(curves), time
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_dynamic_choice_equals_brute_force_over_all_allocations(seed):
+    rng = random.Random(seed)
+    curves, base_yield, time = random_case(rng)
+    lengths = allocate(curves, best_total(curves, base_yield, time))
+    best, argbest = brute_force(curves, base_yield, time)
+    assert objective(curves, lengths, base_yield, time) == pytest.approx(best, rel=1e-12)
+    if len(argbest) == 1:  # a unique optimum: the very same allocation
+        assert tuple(lengths) == argbest[0]
+    assert all(0 <= k <= len(c) for k, c in zip(lengths, curves))
+
+
+def test_dynamic_verifies_nothing_when_drafts_cost_more_than_they_yield():
+    curves = [survival([0.1, 0.1]), survival([0.05])]
+    assert best_total(curves, 2, lambda n: 10.0 + 5.0 * n) == 0
+    assert best_total(curves, 2, lambda n: 10.0) == 3  # free drafts: all of them
+
+
+def test_allocation_goes_to_the_highest_marginal_gain():
+    curves = [survival([0.9, 0.9, 0.9]), survival([0.5, 0.5]), survival([0.95])]
+    # P: r0 0.9 0.81 0.729; r1 0.5 0.25; r2 0.95
+    assert allocate(curves, 3) == [2, 0, 1]
+    assert allocate(curves, 5) == [3, 1, 1]
+    assert allocate(curves, 99) == [3, 2, 1]
+
+
+def test_fixed_policy_verifies_every_draft():
+    step = VerifyStep([[0.9, 0.1], [0.01]], [[0.9, 0.1], [0.01]], 2, 2)
+    assert FixedPolicy().lengths(step) == [2, 1]
+
+
+def test_dynamic_policy_alternates_lengths_until_its_cost_model_is_ready():
+    policy = DynamicPolicy()
+    step = VerifyStep([survival([0.9] * 4)], [survival([0.9] * 4)], 1, 1)
+    assert [policy.lengths(step)[0] for _ in range(4)] == [2, 4, 2, 4]
+    for tokens in (1, 1, 1, 5, 5, 5):  # two graph sizes seen: the model decides now
+        policy.observe(tokens, 0.010 + 0.001 * tokens, 0.001, 0.0)
+    assert policy.cost.ready
+    assert policy.lengths(step) == [4]  # 1 ms a token against a 11 ms step: all pay
+
+
+def test_forward_estimator_recovers_baseline_and_slope_through_outliers():
+    est = ForwardTimeEstimator()
+    rng = random.Random(0)
+    for _ in range(400):
+        tokens = rng.choice([1, 3, 6, 12, 30, 70])
+        noise = rng.gauss(0, 0.0002)
+        spike = 0.5 if rng.random() < 0.05 else 0.0  # a step the machine stalled in
+        est.add(tokens, 0.008 + 0.0004 * tokens + noise + spike)
+    baseline, slope = est.fit()
+    assert baseline == pytest.approx(0.008, abs=5e-4)
+    assert slope == pytest.approx(0.0004, rel=0.05)
+
+
+def test_forward_estimator_needs_two_graph_sizes():
+    est = ForwardTimeEstimator(min_group=3)
+    for _ in range(10):
+        est.add(4, 0.01)
+    assert not est.ready
+    for _ in range(3):
+        est.add(100, 0.05)
+    assert est.ready and graph_size(4) != graph_size(100)
+
+
+def test_median_estimator_waits_for_samples_and_ignores_a_spike():
+    est = MedianEstimator(window=9, min_samples=5)
+    for v in (1.0, 1.1, 0.9, 1.0):
+        est.add(v)
+    assert not est.ready and est.value(7.0) == 7.0
+    est.add(50.0)
+    assert est.ready and est.value() == 1.0
+
+
+def test_step_cost_counts_prefill_tokens():
+    cost = StepCostModel()
+    for tokens in (2, 2, 2, 40, 40, 40):
+        cost.add(tokens, 0.01 + 0.001 * tokens, 0.002, 0.001)
+    assert cost.time(40) - cost.time(2) == pytest.approx(0.038, rel=1e-6)
+
+
+# -- the manager: freshness and the lag ------------------------------------------------------
+
+
+def scheduler_with(spec: SpecDecoding) -> Scheduler:
+    kv = KVCacheManager(BlockPool(64), 4)
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), kv, 512, spec)
+
+
+def request(rid: str, prompt_len: int = 5, **kw) -> Request:
+    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=50, **kw))
+
+
+def test_drafts_are_used_only_where_they_follow_the_last_token():
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    req = request("a")
+    spec._proposals["a"] = Proposal(req.num_tokens, [1, 2, 3], [0.9, 0.8, 0.7])
+    cand = spec.drafts_for(req, room=2)
+    assert cand.token_ids == [1, 2] and cand.curve == pytest.approx([0.9, 0.72])
+    req.output_token_ids.append(99)  # a token arrived the proposal did not expect
+    assert spec.drafts_for(req, room=3) is None
+    req.output_token_ids[-1] = -1  # ... unless it is still unresolved (overlap):
+    req.num_unresolved = 1
+    cand = spec.drafts_for(req, room=3)  # the first draft is a guess for it
+    assert cand.token_ids == [2, 3] and cand.curve == pytest.approx([0.72, 0.504])
+
+
+def test_opted_out_request_gets_no_drafts():
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    req = request("a", speculative=False)
+    spec._proposals["a"] = Proposal(req.num_tokens, [1, 2, 3], [0.9, 0.8, 0.7])
+    assert spec.drafts_for(req, room=3) is None
+
+
+class _Recording(FixedPolicy):
+    def lengths(self, step: VerifyStep) -> list[int]:
+        self.seen = step
+        return super().lengths(step)
+
+
+def test_lagged_budget_uses_the_curves_of_the_previous_plan():
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=2), lagged=True)
+    spec.policy = _Recording()
+    req = request("a")
+    assert spec.drafts_for(req, 2) is None  # no proposal yet
+    spec._proposals["a"] = Proposal(req.num_tokens, [1, 2], [0.5, 0.5])
+    spec.lengths([spec.drafts_for(req, 2)], 1, 1)
+    assert spec.policy.seen.budget_curves == spec.policy.seen.curves  # nothing older yet
+    spec._proposals["a"] = Proposal(req.num_tokens, [1, 2], [0.9, 0.9])
+    spec.lengths([spec.drafts_for(req, 2)], 1, 1)
+    assert spec.policy.seen.curves == [pytest.approx([0.9, 0.81])]  # ranks by the latest
+    assert spec.policy.seen.budget_curves == [pytest.approx([0.5, 0.25])]  # sized by N-2's
+    unlagged = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    unlagged.policy = _Recording()
+    unlagged._proposals["a"] = Proposal(req.num_tokens, [1, 2], [0.5, 0.5])
+    unlagged.lengths([unlagged.drafts_for(req, 2)], 1, 1)
+    unlagged._proposals["a"] = Proposal(req.num_tokens, [1, 2], [0.9, 0.9])
+    unlagged.lengths([unlagged.drafts_for(req, 2)], 1, 1)
+    assert unlagged.policy.seen.budget_curves == unlagged.policy.seen.curves
+
+
+def test_scheduler_verifies_drafts_and_gives_back_the_rejected_ones_blocks():
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                          schedule="fixed"))  # fmt: skip
+    s = scheduler_with(spec)
+    s.add(request("a", prompt_len=5))
+    plan = s.schedule()  # the prompt
+    s.update(plan, StepResult({"a": 7}, proposals={"a": Proposal(6, [8, 9, 10], [0.9] * 3)}))
+    plan = s.schedule()
+    (chunk,) = plan.chunks
+    assert (chunk.token_ids, chunk.start_pos, chunk.num_draft) == ([7, 8, 9, 10], 5, 3)
+    req = s.requests["a"]
+    assert len(req.blocks) == 3  # positions 0..8: three blocks of four
+    out = s.update(plan, StepResult({"a": 42}, accepted={"a": [8]}))
+    assert out[0].new_token_ids == [8, 42]
+    assert req.num_computed_tokens == 7 and req.num_tokens == 8
+    assert len(req.blocks) == 2  # the block that held only rejected drafts is back
+    s.check_integrity()
+    assert spec.counters.verified == [1, 1, 1] and spec.counters.accepted == [1, 0, 0]
+
+
+def test_a_stop_token_among_the_kept_drafts_ends_the_request_there():
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                          schedule="fixed"))  # fmt: skip
+    s = scheduler_with(spec)
+    s.add(Request("a", [10, 11, 12], SamplingParams(max_tokens=50), eos_token_ids=(2,)))
+    plan = s.schedule()
+    s.update(plan, StepResult({"a": 7}, proposals={"a": Proposal(4, [8, 2, 9], [0.9] * 3)}))
+    plan = s.schedule()
+    out = s.update(plan, StepResult({"a": 5}, accepted={"a": [8, 2, 9]}))
+    assert out[0].new_token_ids == [8, 2] and out[0].finish_reason == "stop"
+    s.check_integrity()
+    assert s.kv.pool.num_free == s.kv.pool.num_usable
+
+
+def test_drafts_respect_max_tokens():
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                          schedule="fixed"))  # fmt: skip
+    s = scheduler_with(spec)
+    s.add(Request("a", [10, 11, 12], SamplingParams(max_tokens=3)))
+    plan = s.schedule()
+    s.update(plan, StepResult({"a": 7}, proposals={"a": Proposal(4, [8, 9, 1, 2], [1.0] * 4)}))
+    plan = s.schedule()
+    assert plan.chunks[0].num_draft == 1  # one more token and this step's sampled one
