@@ -16,8 +16,8 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   count this is the best allocation there is: for each total, the largest ``P`` values
   are the most expected tokens, and a request's curve never rises, so they form a prefix
   of each request's drafts; every total is tried. Until the cost model has samples of
-  two step sizes it verifies everything it can, with every other step at half length, so
-  that both step sizes are seen.
+  two step sizes it verifies every draft in one step and none in the next, so that it
+  sees both sizes (prefill steps, whose tokens count, help too).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class DynamicPolicy(VerifyPolicy):
     def lengths(self, step: VerifyStep) -> list[int]:
         if not self.cost.ready:
             self._explore = not self._explore
-            return [len(c) // 2 if self._explore else len(c) for c in step.curves]
+            return [0 if self._explore else len(c) for c in step.curves]
         total = best_total(
             step.budget_curves, step.base_yield, lambda n: self.cost.time(step.base_tokens + n)
         )

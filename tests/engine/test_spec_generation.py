@@ -1,0 +1,154 @@
+"""Speculative decoding through the whole engine, on tiny checkpoints written by
+transformers (``hf_models``): greedy outputs are the same tokens as without speculation for
+every drafter, one request at a time and batched, with chunked prefill and 4-token blocks
+(so verify chunks and rejected drafts cross block boundaries); structured output keeps its
+grammar; logprobs stay the target's.
+
+Drafters: prompt lookup (n-gram); a draft model, both the target itself (every draft
+kept: the accepted path, the draft model's KV lookahead) and another random model (most
+drafts rejected: the rollback path); DeepSeek-V3's MTP layer (a checkpoint with one).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hf_models import write_tiny_model
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm import LLM
+from engine.sampling_params import GrammarSpec, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    """Repetitive prompts (prompt lookup finds matches) and plain ones, 5 to 40 tokens."""
+    return [
+        [40, 41, 42, 43, 44] * 4,
+        [7, 8, 9, 10, 11, 12, 13, 7, 8, 9, 10, 11, 12, 13, 7, 8],
+        [100 + (i * 37) % 150 for i in range(40)],
+        [65, 66, 67, 68, 69],
+        [200, 3, 200, 3, 200, 3, 200, 3, 200],
+        [1 + (i * 11) % 250 for i in range(23)],
+    ]
+
+
+def engine(model: str, speculative: SpeculativeConfig = SpeculativeConfig(), **kw) -> LLM:
+    return LLM(EngineConfig(
+        model=model, num_threads=1, cache=CacheConfig(block_size=4, num_blocks=400),
+        scheduler=SchedulerConfig(max_num_batched_tokens=32), speculative=speculative, **kw,
+    ))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_moe_dir) -> str:
+    return str(tiny_moe_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory) -> str:
+    """Another random Llama with the same vocabulary: a poor draft model."""
+    return str(write_tiny_model("llama", tmp_path_factory.mktemp("draft-llama"), seed=1))
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tiny_moe_dir) -> str:
+    return str(tiny_moe_dir("deepseek-v3-mtp"))
+
+
+_REFERENCE: dict[str, list[list[int]]] = {}
+
+
+def reference(model: str) -> list[list[int]]:
+    """Greedy outputs without speculation, one prompt at a time."""
+    if model not in _REFERENCE:
+        llm = engine(model)
+        _REFERENCE[model] = [llm.generate([p], GREEDY)[0].token_ids for p in prompts()]
+    return _REFERENCE[model]
+
+
+def drafter_case(name: str, llama: str, other: str, deepseek: str) -> tuple[str, dict]:
+    """(target model, the SpeculativeConfig fields) of drafter ``name``."""
+    return {
+        "ngram": (llama, dict(method="ngram")),
+        "draft-self": (llama, dict(method="draft", draft_model=llama)),
+        "draft-other": (llama, dict(method="draft", draft_model=other)),
+        "mtp": (deepseek, dict(method="mtp", confidence_temperatures=(1.0, 0.9, 0.8))),
+    }[name]
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "dynamic"])
+@pytest.mark.parametrize("name", ["ngram", "draft-self", "draft-other", "mtp"])
+def test_greedy_outputs_equal_without_speculation(name, schedule, llama, other_llama,
+                                                  deepseek_mtp):  # fmt: skip
+    model, fields = drafter_case(name, llama, other_llama, deepseek_mtp)
+    spec = SpeculativeConfig(num_speculative_tokens=3, schedule=schedule, **fields)
+    llm = engine(model, spec)
+    expected = reference(model)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in prompts()]
+    assert alone == expected
+    llm.core.kv.pool.reset_prefix_cache()
+    batched = [r.token_ids for r in llm.generate(prompts(), GREEDY)]
+    assert batched == expected
+    llm.core.check_integrity()
+    assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_usable
+    stats = llm.core.scheduler.stats()
+    assert sum(stats.spec_draft_verified) > 0  # drafts really were verified
+    if name in ("ngram", "draft-self"):
+        assert sum(stats.spec_draft_accepted) > 0
+    if name == "draft-self":  # a model drafting for itself: every greedy draft is kept
+        assert stats.spec_draft_accepted == stats.spec_draft_verified
+
+
+def test_logprobs_stay_the_targets(llama):
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    plain = engine(llama).generate(prompts()[:2], params)
+    spec = engine(llama, SpeculativeConfig(method="draft", draft_model=llama,
+                                           num_speculative_tokens=3))  # fmt: skip
+    got = spec.generate(prompts()[:2], params)
+    assert sum(spec.core.scheduler.stats().spec_draft_accepted) > 0
+    for a, b in zip(plain, got):
+        assert a.token_ids == b.token_ids
+        assert [x.top_ids for x in a.logprobs] == [x.top_ids for x in b.logprobs]
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert y.logprob == pytest.approx(x.logprob, abs=1e-4)
+            assert y.top_logprobs == pytest.approx(x.top_logprobs, abs=1e-4)
+
+
+def test_a_request_can_opt_out(llama):
+    spec = engine(llama, SpeculativeConfig(method="draft", draft_model=llama,
+                                           num_speculative_tokens=3))  # fmt: skip
+    out = spec.generate(prompts()[:1], SamplingParams(temperature=0.0, max_tokens=12,
+                                                      ignore_eos=True, speculative=False))
+    assert out[0].token_ids == reference(llama)[0][:12]
+    assert sum(spec.core.scheduler.stats().spec_draft_verified) == 0
+
+
+STRUCTURED = [
+    GrammarSpec("regex", "(ab|cd|ef){3,12}"),
+    GrammarSpec("json", '{"type":"object","properties":{"a":{"type":"string","maxLength":6},'
+                        '"b":{"type":"integer"}},"required":["a","b"]}'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("grammar", STRUCTURED, ids=["regex", "json"])
+def test_structured_output_is_the_same_with_drafts_through_the_matcher(llama, grammar):
+    """Greedy under a grammar: the same tokens with prompt lookup (drafts from the prompt
+    the grammar lets through are verified) and with a draft model (whose unconstrained
+    drafts the grammar cuts at the first it rejects)."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, grammar=grammar)
+    ask = [[ord(c) for c in "abcdabcd ef ef ab {\"a\": \"ab\", \"b\": 12}"]] * 2
+    ask.append([ord(c) for c in "cdcdcdcd"])
+    expected = [r.token_ids for r in engine(llama).generate(ask, params)]
+    for fields in (dict(method="ngram"), dict(method="draft", draft_model=llama)):
+        spec = SpeculativeConfig(num_speculative_tokens=3, schedule="fixed", **fields)
+        llm = engine(llama, spec)
+        results = llm.generate(ask, params)
+        assert [r.token_ids for r in results] == expected
+        assert all(r.finish_reason == "stop" for r in results) or grammar.kind == "json"
+        if fields["method"] == "ngram":
+            assert sum(llm.core.scheduler.stats().spec_draft_accepted) > 0
+        llm.core.check_integrity()
