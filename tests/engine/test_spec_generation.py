@@ -36,7 +36,10 @@ def prompts() -> list[list[int]]:
     ]
 
 
-def engine(model: str, speculative: SpeculativeConfig = SpeculativeConfig(), **kw) -> LLM:
+NO_SPECULATION = SpeculativeConfig()
+
+
+def engine(model: str, speculative: SpeculativeConfig = NO_SPECULATION, **kw) -> LLM:
     return LLM(EngineConfig(
         model=model, num_threads=1, cache=CacheConfig(block_size=4, num_blocks=400),
         scheduler=SchedulerConfig(max_num_batched_tokens=32), speculative=speculative, **kw,
