@@ -155,3 +155,21 @@ def test_structured_output_is_the_same_with_drafts_through_the_matcher(llama, gr
         if fields["method"] == "ngram":
             assert sum(llm.core.scheduler.stats().spec_draft_accepted) > 0
         llm.core.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-self"])
+def test_overlap_scheduling_with_drafts_gives_the_same_tokens(name, llama, other_llama,
+                                                               deepseek_mtp):  # fmt: skip
+    """Under overlap a step is planned before the last one's tokens are back: drafts one
+    step old are verified after the unresolved token (their first guessing it), and a step
+    that verifies drafts is collected before the next is planned."""
+    model, fields = drafter_case(name, llama, other_llama, deepseek_mtp)
+    spec = SpeculativeConfig(num_speculative_tokens=3, schedule="dynamic", **fields)
+    llm = engine(model, spec, overlap_scheduling=True)
+    assert llm.core.scheduler.spec.lagged
+    batched = [r.token_ids for r in llm.generate(prompts(), GREEDY)]
+    assert batched == reference(model)
+    stats = llm.core.scheduler.stats()
+    assert sum(stats.spec_draft_accepted) > 0
+    llm.core.check_integrity()
+    assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_usable
