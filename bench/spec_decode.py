@@ -1,0 +1,317 @@
+"""Speculative decoding on the CPU: dynamic verify length vs fixed k = 1..5 vs none.
+
+    PYTHONPATH=. .venv/bin/python -m bench.spec_decode --threads 1 \\
+        --out bench/results/spec_decode_cpu.json
+
+SmolLM2-135M (the default GGUF, int4 weights as served on the CPU) with prompt lookup on
+two repetitive tasks: a code edit (rewrite a function with one name changed: the answer
+repeats the code) and summarise-and-quote (summarise a passage, then quote its first
+sentences: the answer repeats the passage). Each arm is one in-process ``EngineCore``
+(none; fixed k = 1..5; dynamic with K = 5), all loaded at once; at each concurrency
+(closed loop: that many requests in flight, the next sent when one ends) the arms take
+turns, round after round, so that machine load shifting during the run hits them alike.
+Reported per task, concurrency and arm: output tok/s (median over rounds), the mean
+acceptance length (tokens a request gets per step that verifies its drafts: 1 + mean
+drafts kept), the mean verify budget per step, and whether the greedy outputs are those of
+the arm without speculation. A PNG plots tok/s against concurrency per arm.
+
+``run_arms`` and ``plot`` are shared with ``bench.spec_decode_gpu`` (the H200 run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import machine_info
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core import EngineCore
+from engine.messages import EngineRequest
+from engine.sampling_params import SamplingParams
+
+MAX_K = 5
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    speculative: SpeculativeConfig
+
+
+def arms(method: str, **fields) -> list[Arm]:
+    """none, fixed k = 1..5, dynamic with K = 5, for drafter ``method``."""
+    out = [Arm("none", SpeculativeConfig())]
+    for k in range(1, MAX_K + 1):
+        out.append(Arm(f"fixed-{k}", SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                                       schedule="fixed", **fields)))  # fmt: skip
+    out.append(Arm("dynamic", SpeculativeConfig(method=method, num_speculative_tokens=MAX_K,
+                                                schedule="dynamic", **fields)))  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: list[int]
+    max_tokens: int
+
+
+def run_load(core: EngineCore, jobs: Sequence[Job], concurrency: int, tag: str) -> dict:
+    """Run ``jobs`` greedily, ``concurrency`` at a time (closed loop): output tokens per
+    second, the tokens of each job, and what the spec counters gained."""
+    before = core.scheduler.stats()
+    pending = list(enumerate(jobs))
+    tokens: dict[int, list[int]] = {}
+    live: dict[str, int] = {}
+    start = time.perf_counter()
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i, job = pending.pop(0)
+            rid = f"{tag}-{i}"
+            params = SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True)
+            core.add_request(EngineRequest(rid, job.prompt, params))
+            live[rid] = i
+            tokens[i] = []
+        for out in core.step():
+            tokens[live[out.request_id]] += out.new_token_ids
+            if out.finish_reason is not None:
+                del live[out.request_id]
+    seconds = time.perf_counter() - start
+    after = core.scheduler.stats()
+    groups = after.spec_verify_groups - before.spec_verify_groups
+    steps = after.spec_verify_steps - before.spec_verify_steps
+    verified = sum(after.spec_draft_verified) - sum(before.spec_draft_verified)
+    accepted = sum(after.spec_draft_accepted) - sum(before.spec_draft_accepted)
+    by_position = [a - b for a, b in zip(after.spec_draft_accepted, before.spec_draft_accepted)]
+    return {
+        "seconds": seconds,
+        "output_tokens": sum(len(t) for t in tokens.values()),
+        "tok_s": sum(len(t) for t in tokens.values()) / seconds,
+        "acceptance_length": 1 + accepted / groups if groups else 1.0,
+        "verify_budget_per_step": verified / steps if steps else 0.0,
+        "accepted_by_position": by_position,
+        "tokens": [tokens[i] for i in range(len(jobs))],
+    }
+
+
+def run_arms(
+    cores: dict[str, EngineCore],
+    workloads: dict[str, Callable[[int], list[Job]]],
+    concurrencies: Sequence[int],
+    rounds: int,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """For every workload and concurrency, every arm in turn, ``rounds`` times; one record
+    per (workload, concurrency, arm) with the median tok/s and the other figures."""
+    records = []
+    for workload, make_jobs in workloads.items():
+        for c in concurrencies:
+            jobs = make_jobs(c)
+            runs: dict[str, list[dict]] = {name: [] for name in cores}
+            for r in range(rounds):
+                order = list(cores) if r % 2 == 0 else list(reversed(cores))
+                for name in order:
+                    runs[name].append(run_load(cores[name], jobs, c, f"{workload}-{c}-{r}"))
+            reference = runs["none"][0]["tokens"] if "none" in runs else None
+            for name, rs in runs.items():
+                same = [
+                    a == b for run in rs for a, b in zip(run["tokens"], reference or run["tokens"])
+                ]
+                record = {
+                    "workload": workload,
+                    "concurrency": c,
+                    "arm": name,
+                    "tok_s": statistics.median(x["tok_s"] for x in rs),
+                    "tok_s_runs": [x["tok_s"] for x in rs],
+                    "acceptance_length": statistics.median(x["acceptance_length"] for x in rs),
+                    "verify_budget_per_step": statistics.median(
+                        x["verify_budget_per_step"] for x in rs
+                    ),
+                    "accepted_by_position": rs[-1]["accepted_by_position"],
+                    "outputs_equal_none": sum(same) / len(same),
+                    "output_tokens": rs[-1]["output_tokens"],
+                }
+                records.append(record)
+                log(f"{workload:>18} c={c:<4} {name:>9}: {record['tok_s']:8.1f} tok/s, "
+                    f"acceptance length {record['acceptance_length']:.2f}, "
+                    f"budget {record['verify_budget_per_step']:.1f}")  # fmt: skip
+    for rec in records:  # each arm against the best of the others, in the same run
+        peers = [r for r in records if (r["workload"], r["concurrency"]) ==
+                 (rec["workload"], rec["concurrency"])]  # fmt: skip
+        base = next((r["tok_s"] for r in peers if r["arm"] == "none"), None)
+        fixed = [r["tok_s"] for r in peers if r["arm"].startswith("fixed")]
+        rec["vs_none"] = rec["tok_s"] / base if base else None
+        rec["vs_best_fixed"] = rec["tok_s"] / max(fixed) if fixed else None
+        k5 = next((r["tok_s"] for r in peers if r["arm"] == f"fixed-{MAX_K}"), None)
+        rec["vs_fixed_5"] = rec["tok_s"] / k5 if k5 else None
+    return records
+
+
+def plot(records: list[dict], path: Path, title: str) -> None:
+    """tok/s against concurrency, one line per arm, one panel per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in records})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in records if r["workload"] == workload]
+        for arm in dict.fromkeys(r["arm"] for r in mine):
+            points = sorted((r["concurrency"], r["tok_s"]) for r in mine if r["arm"] == arm)
+            style = "k-o" if arm == "dynamic" else ("k--" if arm == "none" else "-.")
+            ax.plot(*zip(*points), style, label=arm, alpha=1.0 if arm == "dynamic" else 0.7)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel("output tok/s")
+        ax.set_title(workload)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- the CPU tasks ------------------------------------------------------------------------------
+
+CODE = [
+    '''def moving_average(x, window):
+    """Mean of each run of `window` values of x."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, v in enumerate(x):
+        total += v
+        if i >= window:
+            total -= x[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out''',
+    '''def count_words(x):
+    counts = {}
+    for line in x.splitlines():
+        for word in line.split():
+            word = word.strip(".,;:!?").lower()
+            if not word:
+                continue
+            counts[word] = counts.get(word, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return ranked[:10]''',
+    '''def merge_sorted(x, other):
+    i, j, out = 0, 0, []
+    while i < len(x) and j < len(other):
+        if x[i] <= other[j]:
+            out.append(x[i])
+            i += 1
+        else:
+            out.append(other[j])
+            j += 1
+    out.extend(x[i:])
+    out.extend(other[j:])
+    return out''',
+    '''def parse_config(x):
+    settings = {}
+    for number, line in enumerate(x.splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise ValueError(f"line {number}: expected key = value")
+        key, value = line.split("=", 1)
+        settings[key.strip()] = value.strip()
+    return settings''',
+]
+
+PASSAGES = [
+    "The ferry leaves the harbour at six in the morning. It crosses the bay in forty "
+    "minutes when the sea is calm. On stormy days the crossing can take twice as long. "
+    "The captain has worked on the route for twenty years. Passengers often see dolphins "
+    "near the northern cape. In winter the first crossing is cancelled when ice forms.",
+    "Bread needs only flour, water, salt and yeast. The dough is kneaded until it is "
+    "smooth and elastic. It then rises in a warm place for about two hours. After shaping "
+    "it rises again, more briefly. A hot oven gives the crust its colour. The loaf must "
+    "cool before it is cut, or the crumb turns gummy.",
+    "Bees visit thousands of flowers to make a spoonful of honey. They tell each other "
+    "where food is with a dance. The queen lays up to two thousand eggs a day. Worker bees "
+    "live for a few weeks in summer. In winter the colony huddles together for warmth. "
+    "Without bees many crops would not be pollinated.",
+    "A violin has four strings tuned in fifths. The bow is strung with horsehair rubbed "
+    "with rosin. The body is carved from spruce and maple. Its sound post carries the "
+    "vibration from the top to the back. Old instruments are prized for their tone. "
+    "Players change strings every few months.",
+]
+
+
+def cpu_workloads(core: EngineCore, max_tokens: int) -> dict[str, Callable[[int], list[Job]]]:
+    tok = core.tokenizer
+
+    def chat(text: str) -> list[int]:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True)  # fmt: skip
+        return tok.encode(rendered, add_special_tokens=False)
+
+    def code_edit(c: int) -> list[Job]:
+        n = max(4, c)
+        return [Job(chat("Rename the parameter `x` to `values` in this Python function. "
+                         "Reply with the whole function and nothing else.\n\n```python\n"
+                         f"{CODE[i % len(CODE)]}\n```"), max_tokens)
+                for i in range(n)]  # fmt: skip
+
+    def summarise_and_quote(c: int) -> list[Job]:
+        n = max(4, c)
+        return [Job(chat("Summarise this passage in one sentence, then quote its first "
+                         f"three sentences word for word.\n\n{PASSAGES[i % len(PASSAGES)]}"),
+                    max_tokens)
+                for i in range(n)]  # fmt: skip
+
+    return {"code edit": code_edit, "summarise and quote": summarise_and_quote}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_cpu.json"))
+    args = ap.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    cores = {}
+    for arm in arms("ngram"):
+        config = EngineConfig(
+            model=args.model, num_threads=args.threads, speculative=arm.speculative,
+            cache=CacheConfig(block_size=16, memory_gb=0.25, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_seqs=max(concurrencies),
+                                      max_num_batched_tokens=2048, max_model_len=2048),
+        )  # fmt: skip
+        cores[arm.name] = EngineCore(config)
+    workloads = cpu_workloads(next(iter(cores.values())), args.max_tokens)
+    for core in cores.values():  # warm up: kernels built, caches touched
+        run_load(core, workloads["code edit"](1)[:1], 1, "warm")
+    records = run_arms(cores, workloads, concurrencies, args.rounds)
+    result = {
+        **machine_info(),
+        "benchmark": "spec_decode_cpu",
+        "model": args.model,
+        "drafter": "ngram",
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "records": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(records, args.out.with_suffix(".png"),
+         f"SmolLM2-135M + prompt lookup, CPU ({args.threads} thread)")  # fmt: skip
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
