@@ -11,14 +11,16 @@ from engine.worker.config import TransferConfig
 class PDConfig:
     """How many prefill and decode workers to spawn (more may join at runtime; with none,
     all of them do), how KV moves between them (``transfer``, which the spawned workers
-    get), how each request's workers are chosen (``policy``: ``router.policies``) and the
-    Redis that frontends share workers and KV events through (``redis_url``)."""
+    get), how each request's workers are chosen (``policy``: ``router.policies``), the
+    Redis that frontends share workers and KV events through (``redis_url``), and whether
+    a spawned worker that dies or hangs is started again (``restart_workers``)."""
 
     num_prefill: int = 1
     num_decode: int = 1
     transfer: TransferConfig = field(default_factory=TransferConfig)
     policy: str = "cache_aware"
     redis_url: str = ""
+    restart_workers: bool = True
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:

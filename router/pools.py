@@ -212,7 +212,7 @@ class WorkerPools:
         self.router.index.remove_worker(worker.name)
         self._sized()
         self._on_death(worker)
-        if worker.spec is not None and not self._closing:
+        if worker.spec is not None and self.pd.restart_workers and not self._closing:
             asyncio.create_task(self._restart(worker))
 
     def _silenced(self, worker: WorkerProcess) -> None:

@@ -67,6 +67,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="how the prefill and the decode worker of a request are chosen")
     topo.add_argument("--redis", metavar="URL",
                       help="share workers and KV events with other frontends through Redis")
+    topo.add_argument("--restart-workers", action=argparse.BooleanOptionalAction,
+                      default=PDConfig.restart_workers,
+                      help="start a worker this frontend spawned again when it dies or hangs")
     return p  # fmt: skip
 
 
@@ -333,6 +336,7 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
+        restart_workers=args.restart_workers,
     )
 
 
