@@ -112,8 +112,7 @@ class DisaggClient:
         self.router_metrics = self.router.metrics
         self.index = self.router.index
         self.pools = WorkerPools(config, pd, secret or auth.make_secret(), self.router,
-                                 self.transfers, self._received, self._died,
-                                 self._revived)  # fmt: skip
+                                 self.transfers, self)  # fmt: skip
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
@@ -240,7 +239,7 @@ class DisaggClient:
 
     # -- worker messages --------------------------------------------------------------------
 
-    def _received(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
+    def worker_message(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
         if isinstance(msg, Outputs):
             self._decoded(worker, msg.outputs)
         elif isinstance(msg, KVWanted):
@@ -359,7 +358,7 @@ class DisaggClient:
 
     # -- deaths -------------------------------------------------------------------------------
 
-    def _died(self, worker: WorkerProcess) -> None:
+    def worker_gone(self, worker: WorkerProcess) -> None:
         """``worker`` died, or went silent: what it had moves elsewhere."""
         mine = [w for w, t in self._pending.items() if worker in (t.prefill, t.decode)]
         mine += [w for w, r in self._wire.items() if r.decode is worker]
@@ -370,7 +369,7 @@ class DisaggClient:
         else:
             self._prefill_died(worker)
 
-    def _revived(self, worker: WorkerProcess) -> None:
+    def worker_back(self, worker: WorkerProcess) -> None:
         """A silent worker answers again: stop what it still runs that moved elsewhere."""
         left = self._left.pop(worker.name, [])
         if left:

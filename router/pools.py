@@ -21,7 +21,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import zmq.asyncio
@@ -42,8 +42,18 @@ log = logging.getLogger("ferry.router")
 
 ROLES = {"prefill": ("prefill.worker", PREFILL), "decode": ("decode.worker", DECODE)}
 
-OnMessage = Callable[[WorkerProcess, msgspec.Struct], None]
-OnDeath = Callable[[WorkerProcess], None]
+
+class PoolEvents(Protocol):
+    """What the request protocol (``router.disagg``) hears from the pools: each message
+    about requests (stats are taken in here first), a worker's death or silence (what it
+    had must move elsewhere), and a silent worker answering again."""
+
+    def worker_message(self, worker: WorkerProcess, msg: msgspec.Struct) -> None: ...
+
+    def worker_gone(self, worker: WorkerProcess) -> None: ...
+
+    def worker_back(self, worker: WorkerProcess) -> None: ...
+
 
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)  # then a spawned worker is given up on
 RESTART_WINDOW_S = 600.0  # restarts longer ago than this are forgotten
@@ -52,17 +62,14 @@ RESTART_WINDOW_S = 600.0  # restarts longer ago than this are forgotten
 class WorkerPools:
     def __init__(
         self, config: EngineConfig, pd: PDConfig, secret: str, router: Router,
-        transfers: TransferMetrics, on_message: OnMessage, on_death: OnDeath,
-        on_revive: OnDeath,
+        transfers: TransferMetrics, events: PoolEvents,
     ) -> None:  # fmt: skip
         self.config = config
         self.pd = pd
         self._secret = secret
         self.router = router
         self.transfers = transfers
-        self._on_message = on_message
-        self._on_death = on_death
-        self._on_revive = on_revive
+        self._events = events
         self._restarts: dict[str, list[float]] = {}  # name -> when it was restarted
         self.start_timeout = 900.0
         self._closing = False
@@ -206,12 +213,12 @@ class WorkerPools:
             for e in stats.events:
                 self.transfers.kv_events.labels(worker.role, e.kind).inc()
         if stats is not msg:
-            self._on_message(worker, msg)
+            self._events.worker_message(worker, msg)
 
     def _died(self, worker: WorkerProcess) -> None:
         self.router.index.remove_worker(worker.name)
         self._sized()
-        self._on_death(worker)
+        self._events.worker_gone(worker)
         if worker.spec is not None and self.pd.restart_workers and not self._closing:
             asyncio.create_task(self._restart(worker))
 
@@ -219,11 +226,11 @@ class WorkerPools:
         """A joined worker went silent: out of rotation (its requests move) until heard."""
         self.router.index.remove_worker(worker.name)
         self._sized()
-        self._on_death(worker)
+        self._events.worker_gone(worker)
 
     def _revived(self, worker: WorkerProcess) -> None:
         self._sized()
-        self._on_revive(worker)
+        self._events.worker_back(worker)
 
     async def _restart(self, dead: WorkerProcess) -> None:
         """Start a dead spawned worker again in its place, after a back-off; give up after
