@@ -24,6 +24,7 @@ mkdir -p "$TILELANG_CACHE_DIR"
 COMMIT=$(cat .tlcache/commit 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 status=0
+LIMIT="timeout ${STEP_TIMEOUT:-3600}"  # seconds each DeepSeek step may take
 for step in "$@"; do
   start=$(date +%s)
   case $step in
@@ -41,20 +42,20 @@ for step in "$@"; do
       python3 -m bench.gpu_engine --hf --commit "$COMMIT" --out "$OUT/gpu_engine.json" \
         2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 || status=1 ;;
     mla_moe_tests)
-      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
+      $LIMIT python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
         tests/kernels/test_mla_moe_references.py tests/engine/test_cuda_mla_moe_kernels.py \
         "tests/engine/test_cuda_graphs.py::test_cuda_graph_decode_of_moe_models_matches_eager" \
-        2>&1 | tee "$OUT/mla_moe_tests.log" | tail -25 || status=1 ;;
+        tests/kvstore/test_transport_cuda_ipc.py 2>&1 | tee "$OUT/mla_moe_tests.log" | tail -25 || status=1 ;;
     mla_moe)
-      python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
+      $LIMIT python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
         2>&1 | tee "$OUT/mla_moe.log" | grep -v Warning | tail -40 || status=1 ;;
     ds_step)
-      python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
+      $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
         --eager-points 1x1024 --skinny-ab "" --prefill 4096 --engine-step "" --repeats 10 \
         --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l.json" \
         2>&1 | tee "$OUT/ds_step.log" | grep -v Warning | tail -12 || status=1 ;;
     ds_serve)
-      python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
+      $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
         --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
         --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l.json" \
