@@ -12,7 +12,8 @@
 # CUDA tests with the engine's MoE/MLA CUDA tests, their benchmark (bench/mla_moe_speed.py),
 # the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
 # two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
-# at the 8B shape (bench/pd_serving.py).
+# at the 8B shape (bench/pd_serving.py; lengths in words: 128 words is ~700 tokens of the dummy
+# models' byte tokenizer, 390 words ~2k).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -64,7 +65,7 @@ for step in "$@"; do
         2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
     pd_ipc)
       $LIMIT python3 -m bench.pd_serving --model dummy:llama3-8b --topologies aggregated pd-ipc \
-        --workloads 128x256 2048x128 --concurrency 1 16 64 --num-requests 4 32 128 \
+        --workloads 128x256 390x128 --concurrency 1 16 64 --num-requests 4 32 128 \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 16" \
         --commit "$COMMIT" --out "$OUT/pd_ipc_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -14 || status=1 ;;

@@ -73,6 +73,16 @@ def bench_point(
     return json.loads(out.read_text())["summary"]
 
 
+def _line(label: str, s: dict) -> str:
+    """One load point's summary; the errors when no request completed."""
+    if not s["completed"]:
+        return f"{label}: every request failed: {s['errors']}"
+    prompt = s["total_prompt_tokens"] / s["completed"]
+    return (f"{label}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl p50 {s['itl_ms']['p50']:.1f} "
+            f"ms, output {s['output_throughput']:.0f} tok/s, prompt {prompt:.0f} tokens, "
+            f"failed {s['failed']}")  # fmt: skip
+
+
 def _commit(root: Path) -> str:
     out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)  # fmt: skip
@@ -127,10 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                 for name, (_, url) in servers.items():
                     s = bench_point(url, c, n, lens, tmp / f"{name}-{topo}-{tag}c{c}.json")
                     results[name][topo][f"{tag}c{c}"] = s
-                    print(f"{name} {topo} {tag}c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl "
-                          f"p50 {s['itl_ms']['p50']:.1f} ms, output "
-                          f"{s['output_throughput']:.0f} tok/s, failed {s['failed']}",
-                          flush=True)  # fmt: skip
+                    print(_line(f"{name} {topo} {tag}c={c}", s), flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
