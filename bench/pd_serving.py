@@ -138,17 +138,22 @@ def main(argv: list[str] | None = None) -> None:
                     s = bench_point(url, c, n, lens, tmp / f"{name}-{topo}-{tag}c{c}.json")
                     results[name][topo][f"{tag}c{c}"] = s
                     print(_line(f"{name} {topo} {tag}c={c}", s), flush=True)
+                    _save(report, results, args)  # after every point: a cut run keeps them
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=60)
+    _save(report, results, args)
+    print(f"wrote {args.out}")
+
+
+def _save(report: dict, results: dict, args) -> None:
     if args.baseline is None:
         report["topologies"] = results["current"]
     else:
-        report.pop("topologies")
+        report.pop("topologies", None)
         report.update(results)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
