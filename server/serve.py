@@ -318,12 +318,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def kv_transport(args: argparse.Namespace) -> str:
-    """``--kv-transport``, or the one for the device: shm between CPU caches; cuda_ipc on
-    CUDA, where every worker ``ferry serve`` starts shares the one ``--device`` (device to
-    device, no host staging). Workers on other hosts need tcp, on other GPUs nccl."""
+    """``--kv-transport``, or the one for the device: shm between CPU caches; on CUDA
+    cuda_ipc (device to device, no host staging) when the workers share one GPU — a
+    ``--device cuda:N``, or one GPU visible — and nccl when a bare ``--device cuda``
+    spreads them over several (``router.pools.worker_devices``). Workers on other hosts
+    need ``--kv-transport tcp``."""
     if args.kv_transport:
         return args.kv_transport
-    return "cuda_ipc" if _on_cuda(args) else "shm"
+    if not _on_cuda(args):
+        return "shm"
+    if args.device != "cuda":
+        return "cuda_ipc"
+    import torch
+
+    return "cuda_ipc" if torch.cuda.device_count() <= 1 else "nccl"
 
 
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
