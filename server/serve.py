@@ -129,9 +129,10 @@ def cluster_secret(args: argparse.Namespace, needs_shared: str | None = None) ->
 def add_transfer_flags(group: Any) -> None:
     """How KV moves between workers: a frontend passes these to the workers it starts; a
     worker started on its own (``ferry worker``) takes them itself."""
-    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"],
+    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl", "cuda_ipc"],
                        help="how KV moves from prefill to decode workers (default: shm on "
-                            "the CPU, tcp on CUDA; nccl between workers on different GPUs)")
+                            "the CPU; on CUDA cuda_ipc when the workers share a GPU, nccl "
+                            "when they are spread over several; tcp across hosts)")
     group.add_argument("--local-prefill-tokens", type=int,
                        default=TransferConfig.local_prefill_tokens,
                        help="a decode worker prefills a prompt itself when at most this many "
