@@ -149,7 +149,7 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # every socket closed, none left to wait for
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property

@@ -73,6 +73,7 @@ class WorkerPools:
         self._restarts: dict[str, list[float]] = {}  # name -> when it was restarted
         self.start_timeout = 900.0
         self._closing = False
+        self._restarting: set[asyncio.Task] = set()
         self.restarts = Counter("ferry_worker_restarts", "Spawned workers restarted after "
                                 "they died or hung", ["role"], registry=None)  # fmt: skip
         self.model_name = ""
@@ -220,7 +221,9 @@ class WorkerPools:
         self._sized()
         self._events.worker_gone(worker)
         if worker.spec is not None and self.pd.restart_workers and not self._closing:
-            asyncio.create_task(self._restart(worker))
+            task = asyncio.create_task(self._restart(worker))
+            self._restarting.add(task)
+            task.add_done_callback(self._restarting.discard)
 
     def _silenced(self, worker: WorkerProcess) -> None:
         """A joined worker went silent: out of rotation (its requests move) until heard."""
@@ -253,6 +256,9 @@ class WorkerPools:
         pool = self.prefill if dead.role == "prefill" else self.decode
         try:
             await worker.spawn(module, config, self._tmp, self.start_timeout, self._secret)
+        except asyncio.CancelledError:  # the frontend is shutting down meanwhile
+            await worker.shutdown()
+            raise
         except Exception as exc:  # it failed to start: that is a death too
             log.error("%s did not restart: %s", dead.label, exc)
             await worker.shutdown()
@@ -274,12 +280,15 @@ class WorkerPools:
 
     async def shutdown(self) -> None:
         self._closing = True
+        for task in list(self._restarting):
+            task.cancel()
+        await asyncio.gather(*self._restarting, return_exceptions=True)
         if self._directory_task is not None:
             self._directory_task.cancel()
             await asyncio.gather(self._directory_task, return_exceptions=True)
             await self.directory.close()
         await asyncio.gather(*(w.shutdown() for w in self.workers), return_exceptions=True)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # every socket closed, none left to wait for
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- state -----------------------------------------------------------------------------

@@ -222,8 +222,11 @@ class WorkerHandle:
                 self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
 
     async def shutdown(self) -> None:
-        """Stop a spawned worker; just disconnect from one that joined from elsewhere."""
+        """Stop a spawned worker (one that never became ready is killed: it would not hear
+        a Shutdown before its handshake); just disconnect from one that joined elsewhere."""
         if self.proc is not None and self.proc.poll() is None:
+            if self.ready is None:
+                self.proc.kill()
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send(self.codec.encode(Shutdown()), zmq.NOBLOCK)
             try:
