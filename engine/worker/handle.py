@@ -29,7 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import envs
+from engine import envs, logs
 from engine.messages import (
     Codec,
     EngineStats,
@@ -94,8 +94,9 @@ class WorkerHandle:
         self, module: str, config: WorkerConfig, tmpdir: str, timeout: float, secret: str
     ) -> WorkerReady:
         """Start ``python -m <module>`` serving ``config`` on an ipc address in ``tmpdir``
-        (the cluster ``secret`` in its environment, not on its command line) and wait until
-        it is ready."""
+        (the cluster ``secret`` in its environment, not on its command line, and this
+        process's log settings: ``engine.logs.child_environment``) and wait until it is
+        ready."""
         address = f"ipc://{tmpdir}/{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}"
         self.spec = (module, config)
         config = config.replace(listen=address, exit_with_parent=True)
@@ -104,6 +105,7 @@ class WorkerHandle:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
             envs.CLUSTER_SECRET.name: secret,
+            **logs.child_environment(),
         }
         self.proc = subprocess.Popen(cmd, env=env)
         return await self.connect(address, timeout)
