@@ -1,6 +1,7 @@
 """What an operator reads: the start-up log says what runs where, every request has one
 access-log line and an id that the workers' lines name too, ``--log-format json`` makes
-every process write JSON. Real servers (``dummy:tiny``, 1 prefill + 1 decode worker),
+every process write JSON, and every metric the dashboard and the autoscaler query is one
+that ``ferry serve`` exports. Real servers (``dummy:tiny``, 1 prefill + 1 decode worker),
 real HTTP, the real log files."""
 
 from __future__ import annotations
@@ -101,6 +102,50 @@ def test_no_prompt_or_generated_text_reaches_the_logs(text_server):
     assert "POST /v1/chat/completions 200" in log
     words = [w for w in re.findall(r"\w{6,}", text) if w not in log]  # generated text
     assert len(words) == len(re.findall(r"\w{6,}", text))
+
+
+def _scraped_names(server: Server) -> set[str]:
+    """Every sample name ``/metrics`` can show, from its families' names and types (a
+    labelled family that has no sample yet still counts)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count",
+                "_created"), "summary": ("_sum", "_count", "_created"), "gauge": ("",)}  # fmt: skip
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names |= {family.name + s for s in suffixes.get(family.type, ("",))}
+    return names
+
+
+def test_every_metric_the_dashboard_and_the_autoscaler_query_is_one_ferry_exports(text_server):
+    exported = _scraped_names(text_server)
+    assert "ferry_worker_healthy" in exported and "ferry_requests_rejected_total" in exported
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "ferry.json").read_text())
+    queries = [t["expr"] for p in _panels(dashboard["panels"]) for t in p.get("targets", [])]
+    assert len(queries) >= 30
+    for expr in queries:
+        named = set(re.findall(r"\bferry_[a-z0-9_]+", expr))
+        assert named, f"a query that names no ferry metric: {expr}"
+        assert named <= exported, f"{sorted(named - exported)} not exported ({expr})"
+    wanted = {"ferry_time_to_first_token_seconds_bucket",
+              "ferry_inter_token_latency_seconds_bucket",
+              "ferry_e2e_request_latency_seconds_bucket", "ferry_kv_tier_hit_tokens_total",
+              "ferry_kv_transfer_bytes_total", "ferry_queued_requests",
+              "ferry_requests_rejected_total", "ferry_worker_healthy",
+              "ferry_worker_restarts_total", "ferry_kv_blocks_used"}  # fmt: skip
+    assert wanted <= {n for q in queries for n in re.findall(r"\bferry_[a-z0-9_]+", q)}
+    for doc in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "frontend.yaml").read_text()):
+        if doc["kind"] == "HorizontalPodAutoscaler":
+            pods = [m["pods"]["metric"]["name"] for m in doc["spec"]["metrics"] if "pods" in m]
+            assert pods and set(pods) <= exported
+
+
+def _panels(panels: list[dict]) -> list[dict]:
+    out = []
+    for p in panels:
+        out += [p, *_panels(p.get("panels", []))]
+    return out
 
 
 def test_with_a_topology_file_and_json_logs_every_process_writes_json(tmp_path):
