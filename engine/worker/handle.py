@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -46,6 +47,10 @@ from kvstore import auth
 log = logging.getLogger("ferry.workers")
 
 _ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class WorkerHandle:
@@ -107,7 +112,9 @@ class WorkerHandle:
             envs.CLUSTER_SECRET.name: secret,
             **logs.child_environment(),
         }
-        self.proc = subprocess.Popen(cmd, env=env)
+        # SIGINT ignored from its first instruction: a Ctrl-C in the terminal is for the
+        # frontend, which stops its workers itself (even while they import and load)
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_interrupts)
         return await self.connect(address, timeout)
 
     async def connect(self, address: str, timeout: float) -> WorkerReady:

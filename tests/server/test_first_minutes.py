@@ -4,6 +4,8 @@ traceback, and the help says what it does by default. Real ``ferry`` processes."
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -91,3 +93,25 @@ def test_help_shows_the_defaults():
         assert f"(default: {default}" in text[start:end], text[start:end]
     worker = " ".join(ferry("worker", "--help").stdout.split())
     assert "(default: tcp://127.0.0.1:0)" in worker
+
+
+def test_ctrl_c_while_the_workers_start_stops_everything_with_one_line(tmp_path):
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([*_ferry_command(), "serve", "--port", "0", "--threads", "1"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "ferry: starting" not in log_path.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(0.5)  # the workers are importing and loading the model
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=40) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log_path.read_text()
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.strip().splitlines()[-1] == "ferry: stopped while starting", out
