@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
+from engine import logs
 from engine.client import EngineDeadError, offer
 from engine.config import EngineConfig
 from engine.loader import load_tokenizer, model_name
@@ -75,6 +76,7 @@ class _Route:
     predicted_hit: int = 0  # tokens the index said the chosen workers hold
     seen_first: bool = False
     finished: bool = False  # its last output is in the queue
+    trace_id: str = ""  # the HTTP request it belongs to (the workers' log lines name it)
 
     @property
     def wire_id(self) -> str:
@@ -83,7 +85,8 @@ class _Route:
     def engine_request(self, wire_id: str) -> EngineRequest:
         """The request as a worker gets it: a resumed one carries what was streamed."""
         return EngineRequest(wire_id, self.prompt, self.sampling, self.arrival,
-                             output_token_ids=list(self.emitted))  # fmt: skip
+                             output_token_ids=list(self.emitted),
+                             trace_id=self.trace_id)  # fmt: skip
 
 
 @dataclass
@@ -176,8 +179,9 @@ class DisaggClient:
     # -- requests ------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        trace_id: str = "",
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the request's outputs; the last has ``finish_reason``. Leaving early
         aborts it on both workers."""
         if request_id in self._routes:
@@ -185,7 +189,7 @@ class DisaggClient:
         hashes = self.router.hashes(prompt_token_ids)
         decode = self._choose_decode(hashes, len(prompt_token_ids))
         route = _Route(request_id, prompt_token_ids, sampling, time.time(), hashes, decode,
-                       asyncio.Queue())  # fmt: skip
+                       asyncio.Queue(), trace_id=trace_id)  # fmt: skip
         self._routes[request_id] = route
         self._dispatch(route)
         finished = False
@@ -350,7 +354,8 @@ class DisaggClient:
             transfer.decode.send(KVFailed(wid, error))
             return
         log.warning("prefill of %s on %s failed (%s); retrying elsewhere", wid,
-                    transfer.prefill.name, error)  # fmt: skip
+                    transfer.prefill.name, error,
+                    extra=logs.about(transfer.request.request.trace_id))  # fmt: skip
         self.router_metrics.retries.inc()
         route = self._wire.get(wid)
         hashes = route.hashes if route is not None else []
@@ -399,7 +404,8 @@ class DisaggClient:
             return
         route.hashes, route.decode = hashes, decode
         log.warning("%s: resuming %s on %s after %d tokens", why, route.request_id,
-                    route.decode.name, len(route.emitted))  # fmt: skip
+                    route.decode.name, len(route.emitted),
+                    extra=logs.about(route.trace_id))  # fmt: skip
         self.router_metrics.migrations.inc()
         route.attempt += 1
         self._dispatch(route)

@@ -321,8 +321,9 @@ class WorkerPools:
 
 def worker_devices(device: str, count: int) -> list[str]:
     """One device per worker: a bare ``cuda`` spreads the workers over the visible GPUs in
-    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all."""
-    if device != "cuda":
+    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all. A
+    frontend that starts no workers needs no GPU."""
+    if device != "cuda" or count == 0:
         return [device] * count
     import torch
 
