@@ -130,8 +130,10 @@ class WorkerPools:
             self._directory_task = asyncio.create_task(self.directory.run())
 
     def _handle(self, name: str, role: str) -> WorkerProcess:
-        return WorkerProcess(name, role, ROLES[role][1], self._ctx, self.frontend_id.encode(),
-                             self._secret)  # fmt: skip
+        worker = WorkerProcess(name, role, ROLES[role][1], self._ctx,
+                               self.frontend_id.encode(), self._secret)  # fmt: skip
+        worker.silence_timeout_s = self.pd.silence_timeout_s
+        return worker
 
     async def add_worker(self, name: str, role: str, address: str, timeout: float = 900.0):
         """Attach a worker started elsewhere (``ferry worker``) listening on ``address``;

@@ -85,6 +85,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pools.add_argument("--restart-workers", action=argparse.BooleanOptionalAction,
                        default=PDConfig.restart_workers,
                        help="start a worker this frontend spawned again when it dies or hangs")
+    pools.add_argument("--worker-silence-timeout", type=float, metavar="S",
+                       default=PDConfig.silence_timeout_s,
+                       help="a worker unheard this long is hung: a spawned one is killed (and "
+                       "restarted), one that joined is out of rotation until heard again")
     return p  # fmt: skip
 
 
@@ -391,6 +395,7 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         policy=args.router_policy,
         redis_url=args.redis or "",
         restart_workers=args.restart_workers,
+        silence_timeout_s=args.worker_silence_timeout,
     )
 
 
