@@ -67,6 +67,7 @@ def run_load(core: EngineCore, jobs: Sequence[Job], concurrency: int, tag: str) 
     pending = list(enumerate(jobs))
     tokens: dict[int, list[int]] = {}
     live: dict[str, int] = {}
+    steps = 0
     start = time.perf_counter()
     while pending or live:
         while pending and len(live) < concurrency:
@@ -80,10 +81,15 @@ def run_load(core: EngineCore, jobs: Sequence[Job], concurrency: int, tag: str) 
             tokens[live[out.request_id]] += out.new_token_ids
             if out.finish_reason is not None:
                 del live[out.request_id]
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
+        steps += 1
+    while core.has_work:  # a step still in flight (overlap) ends before the next load
+        core.step()
     seconds = time.perf_counter() - start
     after = core.scheduler.stats()
     groups = after.spec_verify_groups - before.spec_verify_groups
-    steps = after.spec_verify_steps - before.spec_verify_steps
+    verify_steps = after.spec_verify_steps - before.spec_verify_steps
     verified = sum(after.spec_draft_verified) - sum(before.spec_draft_verified)
     accepted = sum(after.spec_draft_accepted) - sum(before.spec_draft_accepted)
     by_position = [a - b for a, b in zip(after.spec_draft_accepted, before.spec_draft_accepted)]
@@ -92,55 +98,63 @@ def run_load(core: EngineCore, jobs: Sequence[Job], concurrency: int, tag: str) 
         "output_tokens": sum(len(t) for t in tokens.values()),
         "tok_s": sum(len(t) for t in tokens.values()) / seconds,
         "acceptance_length": 1 + accepted / groups if groups else 1.0,
-        "verify_budget_per_step": verified / steps if steps else 0.0,
+        "verify_budget_per_step": verified / verify_steps if verify_steps else 0.0,
         "accepted_by_position": by_position,
+        "verified_by_position": [
+            a - b for a, b in zip(after.spec_draft_verified, before.spec_draft_verified)
+        ],
+        "step_time_error": (after.spec_time_error_us - before.spec_time_error_us)
+        / max(1, after.spec_time_us - before.spec_time_us),
+        "steps": steps,
         "tokens": [tokens[i] for i in range(len(jobs))],
     }
 
 
 def run_arms(
-    cores: dict[str, EngineCore],
+    cores: dict[str, Callable[[], EngineCore]],
     workloads: dict[str, Callable[[int], list[Job]]],
     concurrencies: Sequence[int],
     rounds: int,
     log: Callable[[str], None] = print,
+    deadline: float = float("inf"),
 ) -> list[dict]:
-    """For every workload and concurrency, every arm in turn, ``rounds`` times; one record
-    per (workload, concurrency, arm) with the median tok/s and the other figures."""
+    """For every concurrency and workload, every arm in turn, ``rounds`` times; one record
+    per (workload, concurrency, arm) with the median tok/s and the other figures.
+    ``cores[arm]()`` readies the engine an arm runs on and returns it. An arm that raises
+    gets a record with its error and the run goes on; past ``deadline`` (a
+    ``time.perf_counter()`` value) the points left get a record saying so."""
     records = []
-    for workload, make_jobs in workloads.items():
-        for c in concurrencies:
-            jobs = make_jobs(c)
-            runs: dict[str, list[dict]] = {name: [] for name in cores}
-            for r in range(rounds):
-                order = list(cores) if r % 2 == 0 else list(reversed(cores))
-                for name in order:
-                    runs[name].append(run_load(cores[name], jobs, c, f"{workload}-{c}-{r}"))
-            reference = runs["none"][0]["tokens"] if "none" in runs else None
-            for name, rs in runs.items():
-                same = [
-                    a == b for run in rs for a, b in zip(run["tokens"], reference or run["tokens"])
-                ]
-                record = {
-                    "workload": workload,
-                    "concurrency": c,
-                    "arm": name,
-                    "tok_s": statistics.median(x["tok_s"] for x in rs),
-                    "tok_s_runs": [x["tok_s"] for x in rs],
-                    "acceptance_length": statistics.median(x["acceptance_length"] for x in rs),
-                    "verify_budget_per_step": statistics.median(
-                        x["verify_budget_per_step"] for x in rs
-                    ),
-                    "accepted_by_position": rs[-1]["accepted_by_position"],
-                    "outputs_equal_none": sum(same) / len(same),
-                    "output_tokens": rs[-1]["output_tokens"],
-                }
-                records.append(record)
-                log(f"{workload:>18} c={c:<4} {name:>9}: {record['tok_s']:8.1f} tok/s, "
-                    f"acceptance length {record['acceptance_length']:.2f}, "
-                    f"budget {record['verify_budget_per_step']:.1f}")  # fmt: skip
+    points = [(w, c) for c in concurrencies for w in workloads]
+    for workload, c in points:
+        if time.perf_counter() > deadline:
+            records += [{"workload": workload, "concurrency": c, "arm": name,
+                         "error": "skipped: out of time"} for name in cores]  # fmt: skip
+            log(f"{workload:>18} c={c:<4} skipped: out of time")
+            continue
+        jobs = workloads[workload](c)
+        runs: dict[str, list[dict]] = {name: [] for name in cores}
+        errors: dict[str, str] = {}
+        for r in range(rounds):
+            order = list(cores) if r % 2 == 0 else list(reversed(cores))
+            for name in order:
+                if name in errors:
+                    continue
+                try:
+                    runs[name].append(run_load(cores[name](), jobs, c, f"{workload}-{c}-{r}"))
+                except Exception as exc:  # noqa: BLE001 - reported, the other arms go on
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+                    log(f"{workload:>18} c={c:<4} {name:>9}: {errors[name]}")
+        records += [{"workload": workload, "concurrency": c, "arm": name, "error": e}
+                    for name, e in errors.items()]  # fmt: skip
+        reference = runs["none"][0]["tokens"] if runs.get("none") else None
+        for name, rs in runs.items():
+            if rs:
+                records.append(_record(workload, c, name, rs, reference))
+                log(_line(records[-1]))
     for rec in records:  # each arm against the best of the others, in the same run
-        peers = [r for r in records if (r["workload"], r["concurrency"]) ==
+        if "tok_s" not in rec:
+            continue
+        peers = [r for r in records if "tok_s" in r and (r["workload"], r["concurrency"]) ==
                  (rec["workload"], rec["concurrency"])]  # fmt: skip
         base = next((r["tok_s"] for r in peers if r["arm"] == "none"), None)
         fixed = [r["tok_s"] for r in peers if r["arm"].startswith("fixed")]
@@ -151,9 +165,34 @@ def run_arms(
     return records
 
 
+def _record(workload: str, c: int, arm: str, rs: list[dict], reference: list | None) -> dict:
+    """One (workload, concurrency, arm) point from its rounds' runs."""
+    same = [a == b for run in rs for a, b in zip(run["tokens"], reference or run["tokens"])]
+    out = {"workload": workload, "concurrency": c, "arm": arm}
+    for key in ("tok_s", "acceptance_length", "verify_budget_per_step", "step_time_error"):
+        out[key] = statistics.median(x[key] for x in rs)
+    out["tok_s_runs"] = [x["tok_s"] for x in rs]
+    for key in ("accepted_by_position", "verified_by_position", "output_tokens", "steps"):
+        out[key] = rs[-1][key]
+    out["outputs_equal_none"] = sum(same) / len(same)
+    return out
+
+
+def _line(r: dict) -> str:
+    return (f"{r['workload']:>18} c={r['concurrency']:<4} {r['arm']:>9}: "
+            f"{r['tok_s']:8.1f} tok/s, acceptance length {r['acceptance_length']:.2f}, "
+            f"budget {r['verify_budget_per_step']:.1f}, same as none "
+            f"{r['outputs_equal_none']:.0%}")  # fmt: skip
+
+
 def plot(records: list[dict], path: Path, title: str) -> None:
-    """tok/s against concurrency, one line per arm, one panel per workload."""
-    import matplotlib
+    """tok/s against concurrency, one line per arm, one panel per workload (nothing where
+    matplotlib is missing: ``python -m bench.spec_decode --plot RESULTS.json`` later)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no matplotlib here: no plot")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,7 +200,7 @@ def plot(records: list[dict], path: Path, title: str) -> None:
     workloads = sorted({r["workload"] for r in records})
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads):
-        mine = [r for r in records if r["workload"] == workload]
+        mine = [r for r in records if r["workload"] == workload and "tok_s" in r]
         for arm in dict.fromkeys(r["arm"] for r in mine):
             points = sorted((r["concurrency"], r["tok_s"]) for r in mine if r["arm"] == arm)
             style = "k-o" if arm == "dynamic" else ("k--" if arm == "none" else "-.")
@@ -258,14 +297,14 @@ def cpu_workloads(core: EngineCore, max_tokens: int) -> dict[str, Callable[[int]
         return tok.encode(rendered, add_special_tokens=False)
 
     def code_edit(c: int) -> list[Job]:
-        n = max(4, c)
+        n = max(2, c)
         return [Job(chat("Rename the parameter `x` to `values` in this Python function. "
                          "Reply with the whole function and nothing else.\n\n```python\n"
                          f"{CODE[i % len(CODE)]}\n```"), max_tokens)
                 for i in range(n)]  # fmt: skip
 
     def summarise_and_quote(c: int) -> list[Job]:
-        n = max(4, c)
+        n = max(2, c)
         return [Job(chat("Summarise this passage in one sentence, then quote its first "
                          f"three sentences word for word.\n\n{PASSAGES[i % len(PASSAGES)]}"),
                     max_tokens)
@@ -282,7 +321,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_cpu.json"))
+    ap.add_argument("--plot", type=Path, metavar="RESULTS",
+                    help="only draw the PNG of a results JSON (this or the GPU run's)")
     args = ap.parse_args()
+    if args.plot:
+        result = json.loads(args.plot.read_text())
+        plot(result["records"], args.plot.with_suffix(".png"), result.get("title", ""))
+        return
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     cores = {}
     for arm in arms("ngram"):
@@ -296,10 +341,13 @@ def main() -> None:
     workloads = cpu_workloads(next(iter(cores.values())), args.max_tokens)
     for core in cores.values():  # warm up: kernels built, caches touched
         run_load(core, workloads["code edit"](1)[:1], 1, "warm")
-    records = run_arms(cores, workloads, concurrencies, args.rounds)
+    records = run_arms({name: (lambda c=core: c) for name, core in cores.items()}, workloads,
+                       concurrencies, args.rounds)  # fmt: skip
+    title = f"SmolLM2-135M + prompt lookup, CPU ({args.threads} thread)"
     result = {
         **machine_info(),
         "benchmark": "spec_decode_cpu",
+        "title": title,
         "model": args.model,
         "drafter": "ngram",
         "max_tokens": args.max_tokens,
@@ -308,8 +356,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(records, args.out.with_suffix(".png"),
-         f"SmolLM2-135M + prompt lookup, CPU ({args.threads} thread)")  # fmt: skip
+    plot(records, args.out.with_suffix(".png"), title)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 

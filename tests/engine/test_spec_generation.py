@@ -157,19 +157,25 @@ def test_structured_output_is_the_same_with_drafts_through_the_matcher(llama, gr
         llm.core.check_integrity()
 
 
+@pytest.mark.parametrize("schedule", ["fixed", "dynamic"])
 @pytest.mark.parametrize("name", ["ngram", "draft-self"])
-def test_overlap_scheduling_with_drafts_gives_the_same_tokens(name, llama, other_llama,
-                                                               deepseek_mtp):  # fmt: skip
+def test_overlap_scheduling_with_drafts_gives_the_same_tokens(
+    name, schedule, llama, other_llama, deepseek_mtp
+):
     """Under overlap a step is planned before the last one's tokens are back: drafts one
     step old are verified after the unresolved token (their first guessing it), and a step
-    that verifies drafts is collected before the next is planned."""
+    that verifies drafts is collected before the next is planned. Fixed verifies drafts
+    every step, so some are kept; dynamic decides from measured times and may verify few
+    on a busy machine (lagged statistics), but what it keeps must be right."""
     model, fields = drafter_case(name, llama, other_llama, deepseek_mtp)
-    spec = SpeculativeConfig(num_speculative_tokens=3, schedule="dynamic", **fields)
+    spec = SpeculativeConfig(num_speculative_tokens=3, schedule=schedule, **fields)
     llm = engine(model, spec, overlap_scheduling=True)
     assert llm.core.scheduler.spec.lagged
     batched = [r.token_ids for r in llm.generate(prompts(), GREEDY)]
     assert batched == reference(model)
     stats = llm.core.scheduler.stats()
-    assert sum(stats.spec_draft_accepted) > 0
+    assert sum(stats.spec_draft_verified) > 0
+    if schedule == "fixed":
+        assert sum(stats.spec_draft_accepted) > 0
     llm.core.check_integrity()
     assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_usable
