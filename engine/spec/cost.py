@@ -5,10 +5,15 @@
 - ``ForwardTimeEstimator``: the target forward's time as ``baseline + slope x tokens``.
   Samples (the step's tokens, prefill ones included, and its forward time) are kept in a
   window and grouped by graph size (the CUDA graph bucket a decode step of that many
-  rows replays; on the CPU the same power-of-two groups). The fit is over the groups'
-  medians (median tokens, median time): the slope is the median of the slopes between
-  every two groups (Theil-Sen), the baseline the median of ``time - slope x tokens``;
-  an outlier step moves neither. It is ready once two groups have enough samples.
+  rows replays; on the CPU the same power-of-two groups); each group gives a point
+  (median tokens, median time), so an outlier step moves nothing. ``fit`` is one line
+  through all points: the slope the median of the slopes between every two (Theil-Sen),
+  the baseline the median of ``time - slope x tokens``. ``time`` is local: the line
+  through the two points on either side of the step's size (past the last point, the
+  last two; slopes never below 0), since a forward is flat while it reads weights and
+  climbs once its matmuls are compute-bound, and one line through both regimes would
+  price a large verify step at the slope of small ones. It is ready once two groups
+  have enough samples.
 - ``StepCostModel``: the three together, ``time(tokens)`` of a whole step.
 """
 
@@ -58,6 +63,7 @@ class ForwardTimeEstimator:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_group = min_group
         self._fit: tuple[float, float] | None = None
+        self._points: list[tuple[float, float]] = []  # per group: median tokens, median time
         self._stale = True
 
     def add(self, tokens: int, seconds: float) -> None:
@@ -81,6 +87,7 @@ class ForwardTimeEstimator:
             for g in groups.values()
             if len(g) >= self.min_group
         )
+        self._points = points
         self._fit = None
         if len(points) >= 2:
             slopes = [
@@ -97,10 +104,14 @@ class ForwardTimeEstimator:
         return self._fit
 
     def time(self, tokens: int) -> float:
-        fit = self.fit()
-        if fit is None:
+        """Seconds for a forward of ``tokens`` tokens, from the two nearest points."""
+        if self.fit() is None:
             raise RuntimeError("the forward time estimator has too few samples")
-        return fit[0] + fit[1] * tokens
+        points = self._points
+        i = bisect.bisect_left([t for t, _ in points], tokens, 1, len(points) - 1)
+        (t1, s1), (t2, s2) = points[i - 1], points[i]
+        slope = max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1 else 0.0
+        return max(s1 + slope * (tokens - t1), 0.0)
 
 
 class StepCostModel:

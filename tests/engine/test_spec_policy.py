@@ -136,6 +136,24 @@ def test_forward_estimator_needs_two_graph_sizes():
     assert est.ready and graph_size(4) != graph_size(100)
 
 
+def test_forward_estimator_prices_a_step_from_the_sizes_next_to_it():
+    """Flat while the forward reads its weights, then 0.04 ms a token once compute-bound:
+    a step between two sizes seen is priced between them, one past the largest along the
+    last segment, where a single line through every size would be far too cheap."""
+    est = ForwardTimeEstimator(min_group=3)
+
+    def forward(tokens: int) -> float:
+        return 0.005 + 0.00004 * max(0, tokens - 128)
+
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) * 3:
+        est.add(tokens, forward(tokens))
+    for tokens in (3, 48, 200, 384, 512):
+        assert est.time(tokens) == pytest.approx(forward(tokens), rel=1e-9)
+    assert est.time(1536) == pytest.approx(forward(1536), rel=1e-9)
+    baseline, slope = est.fit()
+    assert baseline + slope * 1536 < 0.5 * forward(1536)
+
+
 def test_median_estimator_waits_for_samples_and_ignores_a_spike():
     est = MedianEstimator(window=9, min_samples=5)
     for v in (1.0, 1.1, 0.9, 1.0):
