@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -205,18 +206,27 @@ class EngineCore:
         outputs = failed
         previous, self._inflight = self._inflight, None
         launched = None
+        start = time.perf_counter()
         if self.scheduler.has_work:
             plan = self.scheduler.schedule()
             launched = (plan, self.runner.launch(plan))
+        host_s = time.perf_counter() - start
         if previous is not None:
-            outputs += self.scheduler.update(previous[0], self.runner.finish(previous[1]))
+            result = self.runner.finish(previous[1])
+            start = time.perf_counter()
+            outputs += self.scheduler.update(previous[0], result)
+            host_s += time.perf_counter() - start
         if launched is not None:
             if self.overlap and self._can_run_on(launched[0]):
                 self.scheduler.assume_sampled(launched[0])
                 self._inflight = launched
             else:
                 plan, pending = launched
-                outputs += self.scheduler.update(plan, self.runner.finish(pending))
+                result = self.runner.finish(pending)
+                start = time.perf_counter()
+                outputs += self.scheduler.update(plan, result)
+                host_s += time.perf_counter() - start
+            self.scheduler.spec.host_time(host_s)
         return outputs
 
     def _can_run_on(self, plan: StepPlan) -> bool:

@@ -17,6 +17,11 @@ by one (the first draft must have been right for the others to be kept). So no p
 for the step in flight; what waits is the plan after a step that verified drafts, since
 it must know how many were kept to place its tokens.
 
+Host time. Under overlap a step without drafts is planned while the one before runs, so
+the host's work per step (planning, launching, folding tokens back) is hidden; after a
+step that verifies drafts the device waits for it once. ``host_time`` takes each step's
+host work from the engine and the policy counts its median against verifying any draft.
+
 Lagged statistics. With overlap the policy sizes the total from the curves the requests
 had at the previous plan and ranks requests by the latest ones — the source report's rule
 (budget from step N-2's statistics, per-request lengths from N-1's), so that a later
@@ -33,6 +38,7 @@ from engine.config import SpeculativeConfig
 from engine.plan import StepPlan, StepResult
 from engine.request import Request
 from engine.spec.base import Proposal
+from engine.spec.cost import MedianEstimator
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
 
 
@@ -74,6 +80,7 @@ class SpecDecoding:
         self._proposals: dict[str, Proposal] = {}
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
         self._planned: dict[str, list[float]] = {}  # survival of the drafts being verified
+        self.host = MedianEstimator()  # host seconds per step: plan, launch, fold back
         k = self.max_draft
         self.counters = SpecCounters([0] * k, [0] * k, [0] * k)
 
@@ -109,7 +116,8 @@ class SpecDecoding:
             ]
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
-        step = VerifyStep(curves, budget_curves, base_tokens, base_yield)
+        exposed = self.host.value() if self.lagged else 0.0
+        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed)
         return self.policy.lengths(step)
 
     def verifying(self, request_id: str, curve: list[float]) -> None:
@@ -147,6 +155,11 @@ class SpecDecoding:
                 counters.time_error_us += round(1e6 * abs(predicted - measured))
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
                                 timing.draft_s)  # fmt: skip
+
+    def host_time(self, seconds: float) -> None:
+        """One engine step's host work (planning, launching, folding the tokens back):
+        under overlap, what a step that verifies drafts leaves the device waiting for."""
+        self.host.add(seconds)
 
     def forget(self, request_id: str) -> None:
         """The request ended."""

@@ -15,7 +15,10 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   gain (``P`` of their next draft). For a cost that depends only on the step's token
   count this is the best allocation there is: for each total, the largest ``P`` values
   are the most expected tokens, and a request's curve never rises, so they form a prefix
-  of each request's drafts; every total is tried. Until the cost model has samples of
+  of each request's drafts; every total is tried. Under overlap scheduling a step that
+  verifies any draft also costs ``exposed_host_s``: the next step cannot be planned until
+  its tokens are known, so the device waits for the host once (``SpecDecoding`` measures
+  it). Until the cost model has samples of
   two step sizes it verifies every draft in one step and none in the next, so that it
   sees both sizes (prefill steps, whose tokens count, help too).
 """
@@ -37,6 +40,7 @@ class VerifyStep:
     budget_curves: list[list[float]]  # the same from the statistics one step older
     base_tokens: int  # tokens the step runs without drafts (prefill chunks included)
     base_yield: int  # tokens it yields without drafts (one per sampling chunk)
+    exposed_host_s: float = 0.0  # device idle time a step with drafts adds (overlap lost)
 
 
 class VerifyPolicy(ABC):
@@ -80,9 +84,10 @@ class DynamicPolicy(VerifyPolicy):
         if not self.cost.ready:
             self._explore = not self._explore
             return [0 if self._explore else len(c) for c in step.curves]
-        total = best_total(
-            step.budget_curves, step.base_yield, lambda n: self.cost.time(step.base_tokens + n)
-        )
+        def time(n: int) -> float:
+            return self.cost.time(step.base_tokens + n) + (step.exposed_host_s if n else 0.0)
+
+        total = best_total(step.budget_curves, step.base_yield, time)
         return allocate(step.curves, total)
 
 

@@ -173,6 +173,7 @@ def test_overlap_scheduling_with_drafts_gives_the_same_tokens(
     assert llm.core.scheduler.spec.lagged
     batched = [r.token_ids for r in llm.generate(prompts(), GREEDY)]
     assert batched == reference(model)
+    assert llm.core.scheduler.spec.host.ready  # the host work the policy counts, measured
     stats = llm.core.scheduler.stats()
     assert sum(stats.spec_draft_verified) > 0
     if schedule == "fixed":

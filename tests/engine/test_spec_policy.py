@@ -113,6 +113,35 @@ def test_dynamic_policy_alternates_lengths_until_its_cost_model_is_ready():
     assert policy.lengths(step) == [4]  # 1 ms a token against a 11 ms step: all pay
 
 
+def test_dynamic_counts_the_host_wait_a_step_with_drafts_exposes():
+    """Drafts that pay on the forward alone do not when verifying any costs one host gap
+    (overlap lost), and do again when the gap is small."""
+    policy = DynamicPolicy()
+    for tokens in (64, 64, 64, 128, 128, 128):
+        policy.observe(tokens, 0.008 + 0.00004 * tokens, 0.0005, 0.0)
+    curves = [survival([0.3])] * 64  # 64 requests, one draft each, kept 30% of the time
+    free = VerifyStep(curves, curves, 64, 64)
+    assert sum(policy.lengths(free)) == 64  # +2.56 ms for +19 tokens on a 11 ms step
+    assert sum(policy.lengths(VerifyStep(curves, curves, 64, 64, 0.004))) == 0
+    assert sum(policy.lengths(VerifyStep(curves, curves, 64, 64, 0.0005))) == 64
+
+
+def test_host_time_is_measured_and_counted_only_under_overlap():
+    for overlap in (False, True):
+        spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=2),
+                            lagged=overlap)  # fmt: skip
+        spec.host_time(0.003)
+        for _ in range(5):
+            spec.host_time(0.002)
+        assert spec.host.value() == 0.002
+        for tokens in (1, 1, 1, 3, 3, 3):
+            spec.policy.observe(tokens, 0.010 + 0.0001 * tokens, 0.0005, 0.0)
+        req = request("r")
+        spec._proposals["r"] = Proposal(req.num_tokens, [1], [0.02])
+        candidate = spec.drafts_for(req, 1)
+        assert spec.lengths([candidate], 1, 1) == ([0] if overlap else [1])
+
+
 def test_forward_estimator_recovers_baseline_and_slope_through_outliers():
     est = ForwardTimeEstimator()
     rng = random.Random(0)
