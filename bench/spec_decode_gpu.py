@@ -208,15 +208,12 @@ def main() -> None:
     save()
 
     register_drafter("rates", lambda config, target, device, dtype: RatesDrafter(rates))
-    max_seqs = max(concurrencies)
-    core = EngineCore(EngineConfig(
-        model=f"dummy:{args.preset}", device=args.device, dtype=args.dtype,
-        speculative=SpeculativeConfig(method="rates", num_speculative_tokens=len(rates)),
-        cache=CacheConfig(block_size=128 if args.device.startswith("cuda") else 16,
-                          memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False),
-        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(
-            args.max_num_batched_tokens, max_seqs * (len(rates) + 1)), max_model_len=4096),
-    ))  # fmt: skip
+    try:
+        core = _engine(args, rates, max(concurrencies))
+    except Exception as exc:  # noqa: BLE001 - nothing to time without it: said, then out
+        result["error"] = f"the engine: {type(exc).__name__}: {exc}"
+        save()
+        raise SystemExit(result["error"]) from exc
     rates_drafter = core.runner.drafter
     result["engine_ready_s"] = time.perf_counter() - start
     log(f"engine ready at {result['engine_ready_s']:.1f} s (overlap {core.overlap})")
@@ -246,6 +243,19 @@ def main() -> None:
     for line in result["summary"]:
         log(line)
     log(f"wrote {args.out} in {result['total_s']:.0f} s")
+
+
+def _engine(args: argparse.Namespace, rates: list[float], max_seqs: int) -> EngineCore:
+    """The timed engine: the preset, the rates drafter with K = len(rates), a token budget
+    that holds a verify step of every sequence at K."""
+    return EngineCore(EngineConfig(
+        model=f"dummy:{args.preset}", device=args.device, dtype=args.dtype,
+        speculative=SpeculativeConfig(method="rates", num_speculative_tokens=len(rates)),
+        cache=CacheConfig(block_size=128 if args.device.startswith("cuda") else 16,
+                          memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(
+            args.max_num_batched_tokens, max_seqs * (len(rates) + 1)), max_model_len=4096),
+    ))  # fmt: skip
 
 
 def summary(records: list[dict]) -> list[str]:
