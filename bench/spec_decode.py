@@ -233,7 +233,7 @@ CODE = [
         if i >= window - 1:
             out.append(total / window)
     return out''',
-    '''def count_words(x):
+    """def count_words(x):
     counts = {}
     for line in x.splitlines():
         for word in line.split():
@@ -242,8 +242,8 @@ CODE = [
                 continue
             counts[word] = counts.get(word, 0) + 1
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])
-    return ranked[:10]''',
-    '''def merge_sorted(x, other):
+    return ranked[:10]""",
+    """def merge_sorted(x, other):
     i, j, out = 0, 0, []
     while i < len(x) and j < len(other):
         if x[i] <= other[j]:
@@ -254,8 +254,8 @@ CODE = [
             j += 1
     out.extend(x[i:])
     out.extend(other[j:])
-    return out''',
-    '''def parse_config(x):
+    return out""",
+    """def parse_config(x):
     settings = {}
     for number, line in enumerate(x.splitlines(), start=1):
         line = line.strip()
@@ -265,7 +265,7 @@ CODE = [
             raise ValueError(f"line {number}: expected key = value")
         key, value = line.split("=", 1)
         settings[key.strip()] = value.strip()
-    return settings''',
+    return settings""",
 ]
 
 PASSAGES = [
@@ -321,8 +321,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_cpu.json"))
-    ap.add_argument("--plot", type=Path, metavar="RESULTS",
-                    help="only draw the PNG of a results JSON (this or the GPU run's)")
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        metavar="RESULTS",
+        help="only draw the PNG of a results JSON (this or the GPU run's)",
+    )
     args = ap.parse_args()
     if args.plot:
         result = json.loads(args.plot.read_text())

@@ -174,8 +174,11 @@ def main() -> None:
     ap.add_argument("--preset", default="llama3-8b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rates", default="0.8,0.7,0.6,0.5,0.4",
-                    help="per draft position, P(kept | the drafts before kept)")
+    ap.add_argument(
+        "--rates",
+        default="0.8,0.7,0.6,0.5,0.4",
+        help="per draft position, P(kept | the drafts before kept)",
+    )
     ap.add_argument("--concurrency", default="1,16,64,128,256")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=40)
@@ -184,8 +187,12 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=24.0)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--budget-s", type=float, default=105.0,
-                    help="points not started this long after start are skipped")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=105.0,
+        help="points not started this long after start are skipped",
+    )
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_h200.json"))
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]

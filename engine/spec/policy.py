@@ -84,6 +84,7 @@ class DynamicPolicy(VerifyPolicy):
         if not self.cost.ready:
             self._explore = not self._explore
             return [0 if self._explore else len(c) for c in step.curves]
+
         def time(n: int) -> float:
             return self.cost.time(step.base_tokens + n) + (step.exposed_host_s if n else 0.0)
 
