@@ -36,6 +36,7 @@ import argparse
 import json
 import random
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,13 +56,19 @@ RIGHT, WRONG = 0, 1  # the token a model of zero logits picks greedily (ties: th
 
 
 class RatesDrafter(Drafter):
-    """Drafts kept with given per-position rates (module docstring)."""
+    """Drafts kept with given per-position rates (module docstring). Its draws are a hash of
+    (request id, position, draft index), so every arm sees the same, at ~1 us a draw (a
+    seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests)."""
 
     name = "rates"
 
     def __init__(self, rates: Sequence[float]) -> None:
         super().__init__(len(rates))
         self.rates = list(rates)
+        self._keys: dict[str, int] = {}
+
+    def drop(self, request_id: str) -> None:
+        self._keys.pop(request_id, None)
 
     def propose(self, step: DraftStep) -> dict[str, Proposal]:
         out = {}
@@ -70,14 +77,27 @@ class RatesDrafter(Drafter):
             if n <= 0:
                 continue
             start = len(r.token_ids)
-            draw = random.Random(f"{r.request_id}:{start}")  # the same in every arm
+            key = self._keys.get(r.request_id)
+            if key is None:
+                key = self._keys[r.request_id] = zlib.crc32(r.request_id.encode()) << 32
             tokens = [RIGHT] * n
             for j in range(n):
-                if draw.random() >= self.rates[j]:
+                if _uniform(key ^ start, j) >= self.rates[j]:
                     tokens[j] = WRONG
                     break
             out[r.request_id] = Proposal(start, tokens, self.rates[:n])
         return out
+
+
+_MASK = (1 << 64) - 1
+
+
+def _uniform(key: int, j: int) -> float:
+    """A uniform in [0, 1) from ``key`` and ``j`` (splitmix64's finaliser)."""
+    z = (key + (j + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) / 2.0**64
 
 
 def use(core: EngineCore, spec: SpecDecoding, drafter: Drafter | None) -> EngineCore:
