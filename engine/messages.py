@@ -104,7 +104,11 @@ class EngineStats(msgspec.Struct, frozen=True):
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):
-    """A worker is up: what it serves and how much room it has."""
+    """A worker is up: what it serves and how much room it has. A rank of an
+    expert-parallel group names the group, its rank and the group's size. ``startup``:
+    seconds its start took, by phase (``process``: interpreter and imports; ``group``:
+    meeting its group's ranks; ``weights``; ``compile``: the first forward, where kernels
+    compile; ``graphs``: CUDA graph capture)."""
 
     role: str  # "engine" | "prefill" | "decode"
     num_blocks: int
@@ -113,12 +117,35 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     model_name: str
     hash_extra: bytes = b""  # what its block hashes mix in (the router's prefix index)
     endpoint: KVEndpoint | None = None  # where KV for it goes (a decode worker's receiver)
+    group: str = ""
+    rank: int = 0
+    group_size: int = 1
+    startup: dict[str, float] = {}
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
     """A worker could not start; why."""
 
     message: str
+
+
+class ExpertStats(msgspec.Struct, frozen=True):
+    """A rank's experts (``engine.ep``), since it started: ``routed`` [layer-major,
+    ``len(moe_layers) * num_experts``] the (token, choice) pairs its own tokens routed to
+    each logical expert of each MoE layer (``moe_layers``: their decoder layer indices);
+    ``computed`` the pairs its expert slots computed, whoever routed them; ``rebalances``
+    the placements its group switched to; ``imbalance`` the balancer's max/mean rank load
+    (mean over layers) at its last rebalance (0: none yet)."""
+
+    group: str
+    rank: int
+    size: int
+    moe_layers: list[int]
+    num_experts: int
+    routed: list[int]
+    computed: int = 0
+    rebalances: int = 0
+    imbalance: float = 0.0
 
 
 class WorkerStats(msgspec.Struct, tag=True):
@@ -129,6 +156,7 @@ class WorkerStats(msgspec.Struct, tag=True):
     events: list[KVEvent] = []  # since the previous stats message
     tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
     draining: bool = False  # finishing what it has; send it nothing new
+    experts: ExpertStats | None = None  # an expert-parallel rank's, at most once a second
 
 
 class Heartbeat(msgspec.Struct, tag=True, frozen=True):

@@ -10,8 +10,8 @@ replica carries ``load / c``.
 The policy, per layer, from the tokens routed to each logical expert in a window:
 
 1. **Replicate**: give the redundant slots one by one to the logical expert whose load per
-   replica is the highest at that moment (``replicate``). Greedy is optimal for the largest
-   load per replica.
+   replica is the highest at that moment, up to one replica per rank (``replicate``).
+   Greedy is optimal for the largest load per replica.
 2. **Place**: pack the replicas onto ranks, heaviest first, each onto the lightest rank
    that still has a free slot and does not hold that expert yet (``pack``: longest
    processing time first, with the ranks' slot counts as capacity), then swap pairs of
@@ -34,16 +34,21 @@ import numpy as np
 _IMPROVE_ROUNDS = 64  # pair swaps tried per layer, at most
 
 
-def replicate(load: np.ndarray, num_slots: int) -> np.ndarray:
+def replicate(load: np.ndarray, num_slots: int, max_replicas: int = 0) -> np.ndarray:
     """Replicas per logical expert (``load`` [E]): one each, and each of the
-    ``num_slots - E`` others to the expert with the highest load per replica then."""
+    ``num_slots - E`` others to the expert with the highest load per replica then, among
+    those with fewer than ``max_replicas`` (the ranks: a second replica on one rank gains
+    nothing; 0: no limit) while there are such."""
     num_experts = load.shape[0]
     if num_slots < num_experts:
         raise ValueError(f"{num_slots} slots cannot hold {num_experts} experts")
     counts = np.ones(num_experts, dtype=np.int64)
     load = load.astype(np.float64)
     for _ in range(num_slots - num_experts):
-        counts[int(np.argmax(load / counts))] += 1
+        per_replica = load / counts
+        if max_replicas and (counts < max_replicas).any():
+            per_replica = np.where(counts < max_replicas, per_replica, -1.0)
+        counts[int(np.argmax(per_replica))] += 1
     return counts
 
 
@@ -55,6 +60,8 @@ def pack(weights: np.ndarray, items: np.ndarray, num_packs: int) -> np.ndarray:
     size = len(weights)
     if size % num_packs:
         raise ValueError(f"{size} items do not split evenly into {num_packs} packs")
+    if num_packs == 1:
+        return np.zeros(size, dtype=np.int64)
     per_pack = size // num_packs
     order = np.argsort(-weights, kind="stable")
     where = np.empty(size, dtype=np.int64)
@@ -109,7 +116,7 @@ def place_layer(load: np.ndarray, num_ranks: int, num_slots: int) -> np.ndarray:
     """One layer's ``phy2log`` [num_slots] over ``num_ranks`` ranks (steps 1 and 2)."""
     if num_slots % num_ranks:
         raise ValueError(f"{num_slots} slots do not split evenly over {num_ranks} ranks")
-    counts = replicate(load, num_slots)
+    counts = replicate(load, num_slots, num_ranks)
     experts = np.repeat(np.arange(len(load)), counts)
     weights = load[experts] / counts[experts]
     rank_of = pack(weights, experts, num_ranks)
@@ -177,10 +184,11 @@ def imbalance(load: np.ndarray, phy2log: np.ndarray, num_ranks: int) -> np.ndarr
 
 def packing_bound(load: np.ndarray, num_ranks: int, num_slots: int) -> np.ndarray:
     """Per layer, a lower bound of max / mean that no packing of this module's replication
-    (``replicate``) beats: the largest replica, the mean, and for each ``j`` below the slots
-    per rank ``k``: of the ``j * num_ranks + 1`` largest replicas some rank holds ``j + 1``,
-    so it carries at least the ``j + 1`` smallest of them plus the ``k - j - 1`` smallest
-    replicas overall. Where it exceeds 1, the slots do not allow an even spread."""
+    (``replicate``, at most one replica per rank) beats: the largest replica, the mean, and
+    for each ``j`` below the slots per rank ``k``: of the ``j * num_ranks + 1`` largest
+    replicas some rank holds ``j + 1``, so it carries at least the ``j + 1`` smallest of
+    them plus the ``k - j - 1`` smallest replicas overall. Where it exceeds 1, the slots do
+    not allow an even spread."""
     load = np.asarray(load, dtype=np.float64)
     per_rank = num_slots // num_ranks
     out = np.ones(load.shape[0])
@@ -188,7 +196,7 @@ def packing_bound(load: np.ndarray, num_ranks: int, num_slots: int) -> np.ndarra
         mean = row.sum() / num_ranks
         if mean <= 0:
             continue
-        counts = replicate(row, num_slots)
+        counts = replicate(row, num_slots, num_ranks)
         weights = np.sort(np.repeat(row / counts, counts))[::-1]
         bound = max(weights[0], mean)
         for j in range(1, per_rank):
