@@ -12,17 +12,24 @@ class PDConfig:
     """How many prefill and decode workers to spawn (more may join at runtime; with none,
     all of them do), how KV moves between them (``transfer``, which the spawned workers
     get), how each request's workers are chosen (``policy``: ``router.policies``) and the
-    Redis that frontends share workers and KV events through (``redis_url``)."""
+    Redis that frontends share workers and KV events through (``redis_url``).
+    ``prefill_ep`` / ``decode_ep``: each spawned worker of that role is an expert-parallel
+    group of that many rank processes (``engine.ep``), each rank a worker of its own to the
+    router."""
 
     num_prefill: int = 1
     num_decode: int = 1
     transfer: TransferConfig = field(default_factory=TransferConfig)
     policy: str = "cache_aware"
     redis_url: str = ""
+    prefill_ep: int = 1
+    decode_ep: int = 1
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 0:
             raise ValueError("worker counts cannot be negative")
+        if self.prefill_ep < 1 or self.decode_ep < 1:
+            raise ValueError("an expert-parallel group has at least one rank")
         from router.policies import POLICIES
 
         if self.policy not in POLICIES:

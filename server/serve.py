@@ -23,7 +23,13 @@ import time
 from typing import Any
 
 from engine import envs
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ExpertParallelConfig,
+    SchedulerConfig,
+    StructuredOutputConfig,
+)
 from engine.kv_cache.sizing import available_memory_bytes, host_tier_bytes
 from engine.worker.config import TransferConfig
 from router.config import PDConfig
@@ -62,6 +68,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="prefill workers to start (more may join: ferry worker)")
     topo.add_argument("--decode", type=int, default=1, metavar="M",
                       help="decode workers to start (more may join: ferry worker)")
+    topo.add_argument("--prefill-ep", type=_int_at_least(1), default=1, metavar="N",
+                      help="each prefill worker is an expert-parallel group of N rank "
+                           "processes (one per GPU with --device cuda)")
+    topo.add_argument("--decode-ep", type=_int_at_least(1), default=1, metavar="N",
+                      help="each decode worker is an expert-parallel group of N rank "
+                           "processes (one per GPU with --device cuda)")
     add_transfer_flags(topo)
     topo.add_argument("--router-policy", choices=sorted(POLICIES), default="cache_aware",
                       help="how the prefill and the decode worker of a request are chosen")
@@ -177,6 +189,20 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
     p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
     p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
+    ep = p.add_argument_group("expert parallelism (MoE models; --decode-ep, --prefill-ep)")
+    ep.add_argument("--ep-redundant-experts", type=_int_at_least(0),
+                    default=ExpertParallelConfig.redundant_experts, metavar="R",
+                    help="extra physical expert slots per group, for replicas of hot experts "
+                         "(a multiple of the group's size)")
+    ep.add_argument("--eplb-interval", type=_int_at_least(0),
+                    default=ExpertParallelConfig.eplb_interval, metavar="STEPS",
+                    help="rebalance the experts every this many steps (0: never)")
+    ep.add_argument("--eplb-window", type=_int_at_least(1),
+                    default=ExpertParallelConfig.eplb_window, metavar="STEPS",
+                    help="the steps whose routed tokens a rebalance counts")
+    ep.add_argument("--routing-trace", metavar="DIR",
+                    help="record each step's tokens per layer and expert, one file per "
+                         "worker rank in DIR (bench/eplb_replay.py replays them)")
     tiers = p.add_argument_group("KV tiers below each worker's KV cache")
     tiers.add_argument("--kv-tiers", type=_tier_list,
                        help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
@@ -265,7 +291,7 @@ def host_tier_gb(args: argparse.Namespace) -> float:
         return args.host_kv_cache_gb
     workers = 1
     if not getattr(args, "aggregated", True):
-        workers = max(1, args.prefill + args.decode)
+        workers = max(1, args.prefill * args.prefill_ep + args.decode * args.decode_ep)
     return host_tier_bytes(available_memory_bytes(), workers) / 2**30
 
 
@@ -309,8 +335,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_weights="cpu_weights", enforce_eager="enforce_eager",
         overlap_scheduling="overlap_scheduling",
     )  # fmt: skip
+    ep = ExpertParallelConfig(
+        redundant_experts=args.ep_redundant_experts, eplb_interval=args.eplb_interval,
+        eplb_window=args.eplb_window,
+        routing_trace=os.path.abspath(args.routing_trace) if args.routing_trace else "",
+    )  # fmt: skip
     return EngineConfig(
-        model=args.model, cache=cache, scheduler=scheduler, structured=structured, **top
+        model=args.model, cache=cache, scheduler=scheduler, structured=structured, ep=ep,
+        **top,
     )
 
 
@@ -326,6 +358,9 @@ def kv_transport(args: argparse.Namespace) -> str:
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
     """The disaggregated topology, or None with ``--aggregated``."""
     if args.aggregated:
+        if args.decode_ep > 1 or args.prefill_ep > 1:
+            raise SystemExit("ferry: expert parallelism (--decode-ep, --prefill-ep) runs in the "
+                             "disaggregated topology, not with --aggregated")  # fmt: skip
         return None
     return PDConfig(
         num_prefill=args.prefill,
@@ -333,6 +368,8 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
+        prefill_ep=args.prefill_ep,
+        decode_ep=args.decode_ep,
     )
 
 

@@ -89,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
         threading.Thread(target=announce, args=(url, announcement, token, drain),
                          daemon=True).start()  # fmt: skip
     print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
-    serve_role(role, config, channel, secret, drain)
-    return 0
+    return serve_role(role, config, channel, secret, drain)
 
 
 def _on_every_interface(address: str) -> bool:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ferry.ep")
 
-IDLE_WAIT_MS = 5  # an idle group's ranks meet this often
+IDLE_WAIT_MS = 10  # an idle group's ranks meet this often
 JOIN_TIMEOUT_S = 900.0  # every rank has loaded its model and joined by then
 
 
