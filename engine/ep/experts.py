@@ -148,10 +148,14 @@ class ExpertParallel:
         self.load = ExpertLoad(len(layers), self.num_experts, self.config.eplb_window,
                                self.device, self.trace, meta)  # fmt: skip
         for index, (_, moe) in enumerate(layers):
-            mine = torch.from_numpy(self._local(self.phy2log[index])).to(self.device)
+            local = self._local(self.phy2log[index])
             full = moe.experts
-            moe.experts = ExpertSlots(full.w13.index_select(0, mine),
-                                      full.w2.index_select(0, mine), index, self)  # fmt: skip
+            if np.array_equal(local, np.arange(self.num_experts)):  # all of them: no copy
+                w13, w2 = full.w13.data, full.w2.data
+            else:  # a layer at a time: the whole layer's experts go once it is replaced
+                mine = torch.from_numpy(local).to(self.device)
+                w13, w2 = full.w13.index_select(0, mine), full.w2.index_select(0, mine)
+            moe.experts = ExpertSlots(w13, w2, index, self)
             self.layers.append(moe.experts)
         self.tables = [RoutingTable(row, self.num_experts, self.device) for row in self.phy2log]
 

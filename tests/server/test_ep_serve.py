@@ -11,7 +11,8 @@ prompt's KV moved by a prefill worker into the chosen rank's cache.
   group, the prefill worker) keep their processes through it — they run with
   ``FERRY_DEBUG_INTEGRITY=1``, so a bookkeeping error would have killed them — and the
   dead group is started again.
-- One group with redundant expert slots rebalancing every few steps answers the same.
+- A prefill group and a decode group of two ranks each, the decode group with redundant
+  expert slots and rebalancing every few steps, answer the same.
 
 Tokens are compared through chat logprobs' ``bytes``: the checkpoint's 260 ids are the
 byte tokenizer's 256 bytes and 4 special tokens, so the bytes name each token exactly.
@@ -166,11 +167,13 @@ def test_two_groups_of_two_ranks_answer_16_streams_as_aggregated_and_survive_a_k
         assert "of its group d0 is gone" in s.log_tail(200_000)
 
 
-def test_a_group_rebalancing_its_experts_live_answers_as_aggregated(folder, aggregated,
-                                                                     serve, tmp_path):
-    flags = (*FLAGS, "--model", str(folder), "--decode-ep", "2", "--ep-redundant-experts", "2",
-             "--eplb-interval", "4", "--eplb-window", "8")  # fmt: skip
+def test_prefill_and_decode_groups_rebalancing_live_answer_as_aggregated(folder, aggregated,
+                                                                         serve, tmp_path):
+    flags = (*FLAGS, "--model", str(folder), "--prefill-ep", "2", "--decode-ep", "2",
+             "--ep-redundant-experts", "2", "--eplb-interval", "4", "--eplb-window", "8")
     with serve(tmp_path / "serve.log", *flags) as s:
+        groups = {g["name"]: (g["role"], g["size"]) for g in _health(s)["groups"]}
+        assert groups == {"p0": ("prefill", 2), "d0": ("decode", 2)}
         answers = asyncio.run(_all(s))
         for i, answer in enumerate(answers):
             assert answer["error"] is None, (i, answer["error"])
