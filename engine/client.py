@@ -78,7 +78,8 @@ class ServingClient(Protocol):
     body of ``/health`` (None: status only), ``stats`` the engines' summed figures, and
     ``collectors`` their own Prometheus collectors. ``join`` starts attaching a worker
     that announced itself (the task ends once it is ready, or with why not) or raises
-    ``WorkerRefused`` at once. ``num_in_flight`` counts the requests being generated;
+    ``WorkerRefused`` at once. ``trace_id``: the HTTP request a generated request belongs
+    to, which the workers' log lines name. ``num_in_flight`` counts the requests being generated;
     ``stop_all`` ends every one of them with ``EngineDeadError(reason)`` (a server that
     is shutting down).
     """
@@ -98,8 +99,9 @@ class ServingClient(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        trace_id: str = "",
+    ) -> AsyncIterator[RequestOutput]: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -149,7 +151,7 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # every socket closed, none left to wait for
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property
@@ -172,8 +174,9 @@ class EngineClient:
     # -- requests ------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        trace_id: str = "",
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the engine's outputs for one request; the last has ``finish_reason``.
         Leaving early (break, cancellation) aborts the request in the engine."""
         if not self.is_healthy:
@@ -182,7 +185,8 @@ class EngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._engine.send(EngineRequest(request_id, prompt_token_ids, sampling, time.time()))
+        self._engine.send(EngineRequest(request_id, prompt_token_ids, sampling, time.time(),
+                                        trace_id=trace_id))  # fmt: skip
         finished = False
         try:
             while not finished:

@@ -173,6 +173,7 @@ class EngineCore:
             arrival_time=msg.arrival_time,
             hash_extra=extra,
             output_token_ids=list(msg.output_token_ids),
+            trace_id=msg.trace_id,
         )
         if msg.sampling.grammar is None:
             self.scheduler.add(req)
@@ -246,8 +247,9 @@ class EngineCore:
         cache = self.config.cache
         startup = {**self.startup, **group.pop("startup", {})}
         return WorkerReady(role, cache.num_blocks, cache.block_size, self.max_model_len,
-                           self.model_name, self.hash_extra, endpoint, startup=startup,
-                           **group)  # fmt: skip
+                           self.model_name, self.hash_extra, endpoint, self.config.device,
+                           cache.num_blocks * self.kv_cache.layout.bytes_per_block,
+                           startup=startup, **group)  # fmt: skip
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -269,7 +271,7 @@ class EngineRole(WorkerRole):
     def ready(self) -> WorkerReady:
         return self.core.ready(self.role)
 
-    def handle(self, msg: msgspec.Struct) -> str | None:
+    def handle(self, msg: msgspec.Struct) -> EngineRequest | None:
         if isinstance(msg, Abort):
             self.core.abort(msg.request_ids)
             self._outbox.ended += msg.request_ids
@@ -277,7 +279,7 @@ class EngineRole(WorkerRole):
         err = self.core.add_request(msg)
         if err is not None:
             self._outbox.outputs.append(err)
-        return msg.request_id
+        return msg
 
     @property
     def busy(self) -> bool:

@@ -34,6 +34,9 @@ class EngineRequest(msgspec.Struct, tag=True, frozen=True):
     # tokens already generated for it elsewhere (a request resumed on another worker):
     # computed with the prompt, they count as output (max_tokens, penalties, grammar)
     output_token_ids: list[int] = []
+    # the HTTP request it belongs to (its x-request-id), which every worker's log lines
+    # about it name; "" when it came from no HTTP request
+    trace_id: str = ""
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
@@ -117,6 +120,8 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     model_name: str
     hash_extra: bytes = b""  # what its block hashes mix in (the router's prefix index)
     endpoint: KVEndpoint | None = None  # where KV for it goes (a decode worker's receiver)
+    device: str = ""  # where its engine runs (cpu, cuda:1)
+    kv_cache_bytes: int = 0  # the size of its KV cache
     group: str = ""
     rank: int = 0
     group_size: int = 1

@@ -47,6 +47,7 @@ class Request:
     grammar: Any = None  # compiled grammar (engine.structured), set before it is scheduled
     # trailing output tokens that are UNRESOLVED: their step is still running
     num_unresolved: int = 0
+    trace_id: str = ""  # the HTTP request it belongs to, for log lines (EngineRequest's)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

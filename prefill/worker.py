@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine import logs
 from engine.core import EngineCore
 from engine.ep.role import GroupedRole
 from engine.kv_cache.block_pool import Block
-from engine.messages import Abort, RequestOutput, WorkerReady, WorkerStats
+from engine.messages import Abort, EngineRequest, RequestOutput, WorkerReady, WorkerStats
 from engine.pd_scheduler import PREFILLED, PrefillScheduler
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, main
@@ -58,6 +59,7 @@ class _Shipment:
     started: float | None = None  # wall clock when its prefill began computing
     outcome: RequestOutput | None = None  # the prefill's end, once it has ended
     failure: PrefillFailed | None = None  # set when no KV will be delivered
+    trace_id: str = ""  # the HTTP request it belongs to (log lines name it)
 
     @property
     def settled(self) -> bool:
@@ -103,14 +105,14 @@ class PrefillWorker(GroupedRole):
 
     # -- messages ---------------------------------------------------------------------------
 
-    def handle(self, msg: msgspec.Struct) -> str | None:
+    def handle(self, msg: msgspec.Struct) -> EngineRequest | None:
         self._stepped = True  # the stats may have changed: report them
         if isinstance(msg, Abort):
             for rid in msg.request_ids:
                 self._abort(rid)
             return None
         self._add(msg)
-        return msg.request_id
+        return msg.request
 
     def _add(self, msg: PrefillRequest) -> None:
         request = msg.request
@@ -119,7 +121,8 @@ class PrefillWorker(GroupedRole):
             self._out.replies.append((PrefillFailed(request.request_id, err.error), True))
             return
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        self.shipments[request.request_id] = _Shipment(msg.destination, num_tokens)
+        self.shipments[request.request_id] = _Shipment(msg.destination, num_tokens,
+                                                       trace_id=request.trace_id)  # fmt: skip
 
     def _abort(self, rid: str) -> None:
         ship = self.shipments.get(rid)
@@ -231,7 +234,8 @@ class PrefillWorker(GroupedRole):
                     stats = job.result()
                 except Exception as exc:  # TransferError, or anything the backend raised
                     if ship.failure is None:
-                        log.warning("KV transfer of %s failed: %s", rid, exc)
+                        log.warning("KV transfer of %s failed: %s", rid, exc,
+                                    extra=logs.about(ship.trace_id))  # fmt: skip
                         failure = PrefillFailed(rid, f"KV transfer failed: {exc}", retry=True)
                         self._stop(rid, ship, failure)
                     continue

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
+from engine import logs
 from engine.client import EngineDeadError, offer
 from engine.config import EngineConfig
 from engine.loader import load_tokenizer, model_name
@@ -75,6 +76,7 @@ class _Route:
     predicted_hit: int = 0  # tokens the index said the chosen workers hold
     seen_first: bool = False
     finished: bool = False  # its last output is in the queue
+    trace_id: str = ""  # the HTTP request it belongs to (the workers' log lines name it)
 
     @property
     def wire_id(self) -> str:
@@ -83,7 +85,8 @@ class _Route:
     def engine_request(self, wire_id: str) -> EngineRequest:
         """The request as a worker gets it: a resumed one carries what was streamed."""
         return EngineRequest(wire_id, self.prompt, self.sampling, self.arrival,
-                             output_token_ids=list(self.emitted))  # fmt: skip
+                             output_token_ids=list(self.emitted),
+                             trace_id=self.trace_id)  # fmt: skip
 
 
 @dataclass
@@ -112,8 +115,7 @@ class DisaggClient:
         self.router_metrics = self.router.metrics
         self.index = self.router.index
         self.pools = WorkerPools(config, pd, secret or auth.make_secret(), self.router,
-                                 self.transfers, self._received, self._died,
-                                 self._revived)  # fmt: skip
+                                 self.transfers, self)  # fmt: skip
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
@@ -177,8 +179,9 @@ class DisaggClient:
     # -- requests ------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        trace_id: str = "",
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the request's outputs; the last has ``finish_reason``. Leaving early
         aborts it on both workers."""
         if request_id in self._routes:
@@ -186,7 +189,7 @@ class DisaggClient:
         hashes = self.router.hashes(prompt_token_ids)
         decode = self._choose_decode(hashes, len(prompt_token_ids))
         route = _Route(request_id, prompt_token_ids, sampling, time.time(), hashes, decode,
-                       asyncio.Queue())  # fmt: skip
+                       asyncio.Queue(), trace_id=trace_id)  # fmt: skip
         self._routes[request_id] = route
         self._dispatch(route)
         finished = False
@@ -240,7 +243,7 @@ class DisaggClient:
 
     # -- worker messages --------------------------------------------------------------------
 
-    def _received(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
+    def worker_message(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
         if isinstance(msg, Outputs):
             self._decoded(worker, msg.outputs)
         elif isinstance(msg, KVWanted):
@@ -351,7 +354,8 @@ class DisaggClient:
             transfer.decode.send(KVFailed(wid, error))
             return
         log.warning("prefill of %s on %s failed (%s); retrying elsewhere", wid,
-                    transfer.prefill.name, error)  # fmt: skip
+                    transfer.prefill.name, error,
+                    extra=logs.about(transfer.request.request.trace_id))  # fmt: skip
         self.router_metrics.retries.inc()
         route = self._wire.get(wid)
         hashes = route.hashes if route is not None else []
@@ -359,7 +363,7 @@ class DisaggClient:
 
     # -- deaths -------------------------------------------------------------------------------
 
-    def _died(self, worker: WorkerProcess) -> None:
+    def worker_gone(self, worker: WorkerProcess) -> None:
         """``worker`` died, or went silent: what it had moves elsewhere."""
         mine = [w for w, t in self._pending.items() if worker in (t.prefill, t.decode)]
         mine += [w for w, r in self._wire.items() if r.decode is worker]
@@ -370,7 +374,7 @@ class DisaggClient:
         else:
             self._prefill_died(worker)
 
-    def _revived(self, worker: WorkerProcess) -> None:
+    def worker_back(self, worker: WorkerProcess) -> None:
         """A silent worker answers again: stop what it still runs that moved elsewhere."""
         left = self._left.pop(worker.name, [])
         if left:
@@ -400,7 +404,8 @@ class DisaggClient:
             return
         route.hashes, route.decode = hashes, decode
         log.warning("%s: resuming %s on %s after %d tokens", why, route.request_id,
-                    route.decode.name, len(route.emitted))  # fmt: skip
+                    route.decode.name, len(route.emitted),
+                    extra=logs.about(route.trace_id))  # fmt: skip
         self.router_metrics.migrations.inc()
         route.attempt += 1
         self._dispatch(route)

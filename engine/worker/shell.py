@@ -22,9 +22,10 @@ from typing import ClassVar
 
 import msgspec
 
-from engine import envs
+from engine import envs, logs
 from engine.messages import (
     Codec,
+    EngineRequest,
     RequestOutput,
     Shutdown,
     WorkerFailed,
@@ -68,9 +69,9 @@ class WorkerRole(ABC):
     The contract, per loop iteration of the shell:
 
     1. Every input that has arrived goes to ``handle``, in order (never ``Shutdown``: the
-       shell stops on it). ``handle`` returns the id of the request the message opens, if
+       shell stops on it). ``handle`` returns the ``EngineRequest`` the message opens, if
        it opens one; the shell then sends that request's replies and outputs to the
-       frontend it came from.
+       frontend it came from, and logs one line when it ends (``RequestLog``).
     2. ``step()`` runs once: at most one engine step, plus whatever the role moves; its
        ``Outbox`` is sent at once.
     3. When ``busy`` is false the shell first waits up to ``wait_ms`` for an input; if none
@@ -98,7 +99,7 @@ class WorkerRole(ABC):
     def ready(self) -> WorkerReady: ...
 
     @abstractmethod
-    def handle(self, msg: msgspec.Struct) -> str | None: ...
+    def handle(self, msg: msgspec.Struct) -> EngineRequest | None: ...
 
     @abstractmethod
     def step(self) -> Outbox: ...
@@ -157,17 +158,20 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
         try:
             role = role_cls(config, secret)
         except Exception as exc:
-            log.exception("%s worker failed to start", config.role)
+            # one line; the traceback only when debugging
+            log.error("%s worker failed to start: %s: %s", config.role, type(exc).__name__, exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
             channel.ready(WorkerFailed(f"{type(exc).__name__}: {exc}"))
             channel.linger()
             return 1
         ready = role.ready()
-        channel.ready(msgspec.structs.replace(ready, startup={"process": started,
-                                                               **ready.startup}))  # fmt: skip
+        ready = msgspec.structs.replace(ready, startup={"process": started, **ready.startup})
+        channel.ready(ready)
+        _announce_ready(config, ready, channel.address)
         channel.start_heartbeat(HEARTBEAT_S)
         name = config.name or channel.address
         try:
-            _loop(role, channel, drain, _orphan_check(config.exit_with_parent))
+            _loop(role, channel, drain, _orphan_check(config.exit_with_parent), RequestLog())
         except RoleStopped as exc:
             log.error("%s worker %s stopped: %s", config.role, name, exc)
             return 1
@@ -181,8 +185,76 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
         channel.close()
 
 
+def _announce_ready(config: WorkerConfig, ready: WorkerReady, address: str) -> None:
+    """What runs here: the worker, its device, its KV cache, how KV moves, its tiers."""
+    name = config.name or config.role
+    transport = "" if config.role == "engine" else f", KV transport {config.transfer.transport}"
+    if ready.endpoint is not None:
+        transport += f" (receiver {ready.endpoint.address})"
+    logs.announce(
+        f"{config.role} worker {name} ready on {ready.device or config.engine.device}: KV cache "
+        f"{logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} blocks of "
+        f"{ready.block_size} tokens, context {ready.max_model_len}){transport}, tiers: "
+        f"{config.engine.cache.tiers_summary()}",
+        worker=name, role=config.role, device=ready.device, address=address,
+        kv_cache_bytes=ready.kv_cache_bytes, kv_blocks=ready.num_blocks,
+        block_size=ready.block_size, transport=config.transfer.transport,
+        tiers=config.engine.cache.tiers_summary(),
+    )  # fmt: skip
+
+
+@dataclass
+class _Opened:
+    trace_id: str
+    prompt_tokens: int
+    started: float = field(default_factory=time.monotonic)
+    output_tokens: int = 0
+
+
+class RequestLog:
+    """One info line per request a worker ends, naming the HTTP request it belongs to
+    (``EngineRequest.trace_id``): how it ended, its prompt and output tokens, how long it
+    was here. Token ids and text are never logged."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, _Opened] = {}
+
+    def opened(self, request: EngineRequest) -> None:
+        self._open[request.request_id] = _Opened(request.trace_id, len(request.prompt_token_ids))
+
+    def output(self, out: RequestOutput) -> None:
+        req = self._open.get(out.request_id)
+        if req is None:
+            return
+        req.output_tokens += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            reason = out.finish_reason + (f" ({out.error})" if out.error else "")
+            self._ended(out.request_id, reason, out.num_cached_tokens)
+
+    def replied(self, msg: msgspec.Struct) -> None:
+        """A role's last reply about a request (``PrefillDone``, ``PrefillFailed``)."""
+        error = getattr(msg, "error", None)
+        self._ended(msg.request_id, type(msg).__name__ + (f" ({error})" if error else ""))
+
+    def aborted(self, rid: str) -> None:
+        self._ended(rid, "aborted")
+
+    def _ended(self, rid: str, how: str, cached: int | None = None) -> None:
+        req = self._open.pop(rid, None)
+        if req is None:
+            return
+        seconds = time.monotonic() - req.started
+        cached_text = "" if cached is None else f" ({cached} cached)"
+        log.info("%s ended (%s) after %.3f s: %d prompt tokens%s, %d output tokens", rid, how,
+                 seconds, req.prompt_tokens, cached_text, req.output_tokens,
+                 extra=logs.about(req.trace_id, {
+                     "engine_request_id": rid, "outcome": how, "seconds": round(seconds, 6),
+                     "prompt_tokens": req.prompt_tokens, "output_tokens": req.output_tokens,
+                     "cached_tokens": cached}))  # fmt: skip
+
+
 def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
-          orphaned: Callable[[], bool]) -> None:  # fmt: skip
+          orphaned: Callable[[], bool], requests: RequestLog) -> None:  # fmt: skip
     check = envs.DEBUG_INTEGRITY.get()
     stopping = False  # Shutdown arrived; the role stops with its group
     while True:
@@ -194,7 +266,7 @@ def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
         if not role.busy and not channel.poll(role.wait_ms):
             if orphaned():
                 return
-            _send(channel, role, role.tick())
+            _send(channel, role, role.tick(), requests)
             continue
         for frontend, msg in channel.pending():
             if isinstance(msg, Shutdown):
@@ -204,17 +276,23 @@ def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
                 continue
             opened = role.handle(msg)
             if opened is not None:
-                channel.claim(opened, frontend)
-        _send(channel, role, role.step())
+                channel.claim(opened.request_id, frontend)
+                requests.opened(opened)
+        _send(channel, role, role.step(), requests)
         if check and role.settled:
             role.check_integrity()
 
 
-def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox) -> None:
+def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox, requests: RequestLog) -> None:
     for msg, last in outbox.replies:
         channel.reply(msg.request_id, msg, last)
+        if last:
+            requests.replied(msg)
+    for out in outbox.outputs:
+        requests.output(out)
     for rid in outbox.ended:
         channel.release(rid)
+        requests.aborted(rid)
     stats = outbox.stats
     if stats is None and channel.last_stats + HEARTBEAT_S <= time.monotonic():
         stats = role.stats()
@@ -248,9 +326,8 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=f"a ferry {role_cls.role} worker")
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr,
-                        format=envs.LOG_FORMAT)  # fmt: skip
     config = msgspec.json.decode(args.config, type=WorkerConfig)
+    logs.configure(logs.LogConfig.from_environment(), config.name or config.role)
     if config.exit_with_parent:  # the frontend stops it: Ctrl-C in its terminal is for that
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     secret = envs.CLUSTER_SECRET.get()

@@ -20,9 +20,9 @@ from router.routing import Router
 def pools():
     pd = PDConfig(num_prefill=1, num_decode=2, decode_ep=4)
     pools = WorkerPools(EngineConfig(model="dummy:qwen3-moe-tiny"), pd, "secret",
-                        Router("round_robin"), TransferMetrics(), print, print, print)
+                        Router("round_robin"), TransferMetrics(), None)
     yield pools
-    pools._ctx.term()
+    pools._ctx.destroy(linger=0)
     os.rmdir(pools._tmp)
 
 
