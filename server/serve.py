@@ -87,10 +87,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="decode workers to start (more may join: ferry worker)")
     pools.add_argument("--router-policy", choices=sorted(POLICIES), default=PDConfig.policy,
                        help="how the prefill and the decode worker of a request are chosen")
-    pools.add_argument("--prefill-ep", type=_int_at_least(1), default=PDConfig.prefill_ep,
+    pools.add_argument("--prefill-ep", type=int_at_least(1), default=PDConfig.prefill_ep,
                        metavar="N", help="each prefill worker is an expert-parallel group of N "
                        "rank processes (one per GPU with --device cuda)")
-    pools.add_argument("--decode-ep", type=_int_at_least(1), default=PDConfig.decode_ep,
+    pools.add_argument("--decode-ep", type=int_at_least(1), default=PDConfig.decode_ep,
                        metavar="N", help="each decode worker is an expert-parallel group of N "
                        "rank processes (one per GPU with --device cuda)")
     add_transfer_flags(section(p, "transfer", "how KV moves from prefill to decode workers"))
@@ -130,16 +130,16 @@ def add_api_flags(p: Any) -> None:
     (``ServerConfig``)."""
     p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
                    help="larger request bodies get 413 before they are read")
-    p.add_argument("--max-tokens-default", type=_int_at_least(0), default=MAX_TOKENS_DEFAULT,
+    p.add_argument("--max-tokens-default", type=int_at_least(0), default=MAX_TOKENS_DEFAULT,
                    metavar="N", help="output tokens of a request without max_tokens (0: fill "
                    f"the context; default {MAX_TOKENS_DEFAULT})")
-    p.add_argument("--max-tokens-limit", type=_int_at_least(1), metavar="N",
+    p.add_argument("--max-tokens-limit", type=int_at_least(1), metavar="N",
                    help="most tokens any request generates; one asking for more gets N "
                         "(default: as many as the context holds)")
-    p.add_argument("--max-queued-requests", type=_int_at_least(1),
+    p.add_argument("--max-queued-requests", type=int_at_least(1),
                    default=ServerConfig.max_queued_requests, metavar="N",
                    help="sequences that may wait for their first token; more get 429")
-    p.add_argument("--max-queued-tokens", type=_int_at_least(1),
+    p.add_argument("--max-queued-tokens", type=int_at_least(1),
                    default=ServerConfig.max_queued_tokens, metavar="N",
                    help="prompt tokens that may wait for a first token; more get 429")
     p.add_argument("--request-timeout", type=_at_least(0.0),
@@ -148,7 +148,7 @@ def add_api_flags(p: Any) -> None:
     p.add_argument("--drain-timeout", type=_at_least(0.0),
                    default=ServerConfig.drain_timeout_s, metavar="S",
                    help="on SIGTERM or Ctrl-C: seconds requests in flight may take to finish")
-    p.add_argument("--response-store-size", type=_int_at_least(0),
+    p.add_argument("--response-store-size", type=int_at_least(0),
                    default=ServerConfig.response_store_size, metavar="N",
                    help="Responses API: stored responses kept for previous_response_id")
     p.add_argument("--response-store-ttl", type=_at_least(0.0),
@@ -240,14 +240,14 @@ def add_engine_flags(p: Any) -> None:
     engine.add_argument("--grammar-compile-threads", type=int, help="threads compiling "
                         f"grammars (default: {StructuredOutputConfig.compile_threads})")
     ep = section(p, "ep", "expert-parallel groups of MoE models (--decode-ep, --prefill-ep)")
-    ep.add_argument("--ep-redundant-experts", type=_int_at_least(0),
+    ep.add_argument("--ep-redundant-experts", type=int_at_least(0),
                     default=ExpertParallelConfig.redundant_experts, metavar="R",
                     help="extra physical expert slots per group, for replicas of hot experts "
                          "(a multiple of the group's size)")
-    ep.add_argument("--eplb-interval", type=_int_at_least(0),
+    ep.add_argument("--eplb-interval", type=int_at_least(0),
                     default=ExpertParallelConfig.eplb_interval, metavar="STEPS",
                     help="rebalance the experts every this many steps (0: never)")
-    ep.add_argument("--eplb-window", type=_int_at_least(1),
+    ep.add_argument("--eplb-window", type=int_at_least(1),
                     default=ExpertParallelConfig.eplb_window, metavar="STEPS",
                     help="the steps whose routed tokens a rebalance counts")
     ep.add_argument("--routing-trace", metavar="DIR",
@@ -295,7 +295,7 @@ def _file_mode(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: an octal mode such as 600; {exc}") from None
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
     def parse(text: str) -> int:
         value = int(text)
         if value < low:

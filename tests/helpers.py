@@ -153,3 +153,12 @@ def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
     while len(list(kv_dir.rglob("*.kv"))) < count:
         assert time.monotonic() < deadline, f"fewer than {count} block files in {kv_dir}"
         time.sleep(0.2)
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

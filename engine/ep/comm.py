@@ -7,10 +7,12 @@ done (they raise ``GroupFailed`` when a peer is gone or silent past the group's 
 (``join``: gloo on the CPU, NCCL on CUDA devices, no global ``init_process_group``);
 ``SoloComm`` is the one-rank group, where both are copies.
 
-The rendezvous is a ``FileStore`` in a directory only the group's owner can read (the
-frontend's private temporary directory), so only processes of that user that were told
-the path can join; the process group's own connections bind ``host`` (loopback unless
-the group spans hosts).
+The rendezvous of a group on one host is a ``FileStore`` in a directory only the group's
+owner can read (the frontend's private temporary directory), so only processes of that
+user that were told the path can join. A group that spans hosts meets at
+``tcp://HOST:PORT`` instead, a ``TCPStore`` that rank 0 serves on ``PORT`` (the
+deployment keeps that port reachable from the group's hosts alone). The process group's
+own connections bind ``host`` (loopback unless the group spans hosts).
 """
 
 from __future__ import annotations
@@ -103,8 +105,7 @@ def join(rendezvous: str, name: str, rank: int, size: int, backend: str, host: s
     started it is gone). Collectives give up after ``timeout_s``."""
     import torch.distributed as dist
 
-    store = dist.FileStore(rendezvous, size)
-    store.set_timeout(datetime.timedelta(seconds=join_timeout_s))
+    store = _store(rendezvous, rank, size, join_timeout_s)
     prefixed = dist.PrefixStore(name, store)
     deadline = time.monotonic() + join_timeout_s
     prefixed.add("arrived", 1)
@@ -130,3 +131,22 @@ def join(rendezvous: str, name: str, rank: int, size: int, backend: str, host: s
         raise GroupFailed(f"rank {rank} of {size} could not join {name}: "
                           f"{_first_line(exc)}") from None  # fmt: skip
     return TorchComm(group, rank, size)
+
+
+def _store(rendezvous: str, rank: int, size: int, timeout_s: float):
+    """The group's store: a ``FileStore`` at a path, or the ``TCPStore`` rank 0 serves at
+    ``tcp://HOST:PORT`` (each process's joins share its one server)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rendezvous.startswith("tcp://"):
+        host, _, port = rendezvous[len("tcp://") :].rpartition(":")
+        try:
+            return dist.TCPStore(host.strip("[]"), int(port), size, rank == 0, timeout,
+                                 wait_for_workers=False, multi_tenant=True)  # fmt: skip
+        except (RuntimeError, ValueError) as exc:
+            raise GroupFailed(f"rank {rank} of {size} could not reach {rendezvous}: "
+                              f"{_first_line(exc)}") from None  # fmt: skip
+    store = dist.FileStore(rendezvous, size)
+    store.set_timeout(timeout)
+    return store

@@ -13,6 +13,9 @@ prompt's KV moved by a prefill worker into the chosen rank's cache.
   dead group is started again.
 - A prefill group and a decode group of two ranks each, the decode group with redundant
   expert slots and rebalancing every few steps, answer the same.
+- A decode group of two ``ferry worker --ep 2`` processes, one rank each as if on two
+  hosts (``--ep-node-rank``, meeting at ``--ep-leader``), joins a frontend and answers the
+  same; ``kill -9`` of one rank ends both processes with an error, no rank left behind.
 
 Tokens are compared through chat logprobs' ``bytes``: the checkpoint's 260 ids are the
 byte tokenizer's 256 bytes and 4 special tokens, so the bytes name each token exactly.
@@ -28,8 +31,8 @@ import time
 
 import httpx
 import pytest
-from conftest import assert_sound
-from helpers import metric
+from conftest import assert_sound, run_worker
+from helpers import free_port, metric
 
 pytestmark = pytest.mark.slow
 
@@ -183,3 +186,43 @@ def test_prefill_and_decode_groups_rebalancing_live_answer_as_aggregated(folder,
         assert 0 < metric(s, "ferry_eplb_imbalance", group="d0") < 2
         assert "experts rebalanced" in s.log_tail(200_000)
         assert_sound(s)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_a_group_of_ferry_workers_on_two_hosts_answers_as_aggregated_and_dies_whole(
+    folder, aggregated, serve, tmp_path
+):
+    flags = (*FLAGS, "--model", str(folder), "--kv-transport", "tcp")
+    with serve(tmp_path / "serve.log", *flags, "--decode", "0", healthy=False) as s:
+        worker = (*flags, "--role", "decode", "--name", "dx", "--ep", "2", "--ep-local-ranks",
+                  "1", "--ep-leader", f"127.0.0.1:{free_port()}", "--frontend", s.control_url)  # fmt: skip
+        with (
+            run_worker(tmp_path / "w0.log", *worker, "--ep-node-rank", "0") as w0,
+            run_worker(tmp_path / "w1.log", *worker, "--ep-node-rank", "1") as w1,
+        ):
+            deadline = time.monotonic() + 180
+            while httpx.get(f"{s.base_url}/ready", timeout=30).status_code != 200:
+                assert time.monotonic() < deadline, _health(s)
+                time.sleep(0.5)
+            health = _health(s)
+            assert [(g["name"], g["size"]) for g in health["groups"]] == [("dx", 2)]
+            decode = {w["name"]: w for w in health["workers"] if w["role"] == "decode"}
+            assert set(decode) == {"dx/r0", "dx/r1"}
+            assert {decode[n]["rank"] for n in decode} == {0, 1}
+            [rank0], [rank1] = _children(w0.pid), _children(w1.pid)  # each host's own rank
+            answers = asyncio.run(_all(s))
+            for i, answer in enumerate(answers):
+                assert answer["error"] is None, (i, answer["error"])
+                assert answer["tokens"] == aggregated[i], i
+            os.kill(rank1, signal.SIGKILL)
+            assert w1.wait(FAILOVER_S) == 1  # its host's group process says so
+            assert w0.wait(FAILOVER_S) == 1  # the other host's rank saw its peer go
+            assert not _alive(rank0)
+            deadline = time.monotonic() + FAILOVER_S
+            while httpx.get(f"{s.base_url}/ready", timeout=30).status_code != 503:
+                assert time.monotonic() < deadline, _health(s)
+                time.sleep(0.2)
