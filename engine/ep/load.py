@@ -38,10 +38,16 @@ class ExpertLoad:
         self.ring = torch.zeros((window, *shape), dtype=torch.int64, device=device)
         self.total = torch.zeros(shape, dtype=torch.int64, device=device)
         self.steps = 0
-        self._trace = None
+        self._trace: RoutingTrace | None = None
         if trace is not None:
-            meta = {"layers": num_layers, "experts": num_experts, **(trace_meta or {})}
-            self._trace = RoutingTrace.create(trace, meta)
+            self.record(trace, trace_meta)
+
+    def record(self, path: Path, meta: dict | None = None) -> None:
+        """From the next step on, append each step's counts to a new trace at ``path``
+        (the one recorded so far, if any, is closed)."""
+        self.close()
+        header = {"layers": self.num_layers, "experts": self.num_experts, **(meta or {})}
+        self._trace = RoutingTrace.create(path, header)
 
     def count(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Add a layer's choices (``topk_ids`` [T, K] logical expert ids) to this step."""

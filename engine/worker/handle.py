@@ -271,4 +271,6 @@ class WorkerHandle:
         }  # fmt: skip
         if self.group:
             described.update(group=self.group, rank=self.rank)
+        if self.ready is not None and self.ready.startup:  # seconds its start took, by phase
+            described["startup"] = {k: round(v, 3) for k, v in self.ready.startup.items()}
         return described
