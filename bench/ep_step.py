@@ -5,14 +5,17 @@ dispatcher (the MoE layers' dispatch and combine).
     python -m bench.ep_step --device cuda --model dummy:deepseek-v3-4l --batches 1,64 \
         --trace DIR --out FILE
 
-CPU (gloo): for each group size N, N rank processes (this module, ``--rank``), each an
+CPU (gloo): first EP 1 in one process, the plain engine and the one-rank dispatcher
+stepped in turn (``interleaved_ep1``: the fair comparison on a machine others share).
+Then for each group size N, N rank processes (this module, ``--rank``), each an
 ``EngineCore`` holding its share of the experts, with ``--batch`` decode sequences of
 ``--context`` tokens of its own; the ranks step in lockstep (``ExpertGroup.round``) and
 each times ``--steps`` decode steps and, inside them, every ``dispatch`` and ``combine``.
 EP 1 is the plain engine (``one_engine``) and the same engine through the one-rank
 dispatcher (``local``). Reported per N: the median step time over the ranks' steps (the
 slowest rank's, a step being collective), tokens per second of the group, and the
-dispatcher's share of the step.
+dispatcher's share of the step — which for N > 1 includes waiting in the all-to-all for
+the slowest rank (on 2 cores, N processes share them).
 
 CUDA (one GPU): EP 1 only. First each engine's first MoE layer, as the engine holds it,
 is checked against the torch reference (``moe_experts_sorted``) on random tokens. Then at
@@ -174,14 +177,59 @@ def _group_run(args, size: int, mode: str, tmp: Path) -> dict:
             "dispatch_combine_ms_per_step": share * step * 1e3}  # fmt: skip
 
 
+def interleaved_ep1(args) -> dict:
+    """EP 1 in this process: the plain engine and the same model through the one-rank
+    dispatcher (``ExpertGroup.round``), stepped in turn, so that both see the same machine
+    (on a shared one, processes run apart see different loads)."""
+    from engine.config import ExpertParallelConfig
+    from engine.ep.group import ExpertGroup
+
+    torch.set_num_threads(1)
+    plain = _engine(args.model, "cpu", "float32", args.batch, args.context)
+    group = ExpertGroup(None, ExpertParallelConfig(), "cpu")
+    dispatched = _engine(args.model, "cpu", "float32", args.batch, args.context, group)
+    group.experts.dispatcher = timed = TimedDispatcher(group.experts.dispatcher)
+    steps = {"one_engine": _stepper(plain, None), "local": _stepper(dispatched, group)}
+    for core, g in ((plain, None), (dispatched, group)):
+        _fill(core, args.batch, args.context)
+        _prefill(core, g)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(args.steps + 3):
+        for name, step in steps.items():
+            if name == "local" and i == 3:
+                timed.seconds = 0.0
+            started = time.perf_counter()
+            step()
+            if i >= 3:  # after the warm-up
+                times[name].append(time.perf_counter() - started)
+    runs = []
+    for name, t in times.items():
+        step = statistics.median(t)
+        share = timed.seconds / sum(t) if name == "local" else 0.0
+        runs.append({"ranks": 1, "mode": name, "step_ms": step * 1e3,
+                     "tokens_per_s": args.batch / step, "dispatch_combine_share": share,
+                     "dispatch_combine_ms_per_step": share * step * 1e3,
+                     "process": "interleaved"})  # fmt: skip
+    group.close()
+    return runs
+
+
 def cpu_main(args) -> dict:
+    """EP 1 interleaved in this process (``interleaved_ep1``), then for each group size the
+    same engine as a group of rank processes; EP 1 is also run as one rank process (the
+    same process set-up as the groups' ranks)."""
+    runs = interleaved_ep1(args)
     with tempfile.TemporaryDirectory(prefix="ferry-ep-bench-") as tmp:
-        runs = [_group_run(args, 1, "one_engine", Path(tmp))]
+        runs.append({**_group_run(args, 1, "one_engine", Path(tmp)), "process": "rank"})
         for size in args.ranks:
-            runs.append(_group_run(args, size, "local" if size == 1 else "all_to_all", Path(tmp)))
+            mode = "local" if size == 1 else "all_to_all"
+            runs.append({**_group_run(args, size, mode, Path(tmp)), "process": "rank"})
     base = runs[0]["step_ms"]
+    rank_base = runs[2]["step_ms"]
     for run in runs:
         run["step_vs_one_engine"] = run["step_ms"] / base
+        if run["process"] == "rank":
+            run["step_vs_one_engine_rank"] = run["step_ms"] / rank_base
     return {"runs": runs}
 
 
