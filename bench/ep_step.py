@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import machine_info
+from bench.common import machine_info, wall_times
 
 
 class TimedDispatcher:
@@ -119,17 +119,6 @@ def _prefill(core, group) -> None:
         step()
 
 
-def _step_times(step, steps: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return times
-
-
 def rank_main(args) -> None:
     """One rank of a CPU group (``--rank``): its step times and dispatcher seconds."""
     from engine.config import ExpertParallelConfig
@@ -150,7 +139,7 @@ def rank_main(args) -> None:
     _prefill(core, group)
     if group is not None:
         timed.seconds = 0.0
-    times = _step_times(_stepper(core, group), args.steps)
+    times = wall_times(_stepper(core, group), args.steps, warmup=3)
     out = {"times": times, "dispatcher_s": timed.seconds if group else 0.0}
     Path(args.out).write_text(json.dumps(out))
 
@@ -266,7 +255,7 @@ def _timed_batches(core, group, batches: list[int], context: int, steps: int) ->
             for o in step():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
 
-        times = _step_times(collect, steps)
+        times = wall_times(collect, steps, warmup=3)
         out[batch] = {"step_ms": statistics.median(times) * 1e3, "tokens": tokens}
         core.abort(list(core.scheduler.requests))
         while core.has_work:  # the aborts land
