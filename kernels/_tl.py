@@ -89,10 +89,10 @@ class KernelCache:
                     self._kernels[key] = kernel
         return kernel
 
+    def __len__(self) -> int:
+        return len(self._kernels)
+
 
 def compile_seconds() -> float:
     """Seconds this process has spent building kernels (``KernelCache.build_seconds``)."""
     return KernelCache.build_seconds
-
-    def __len__(self) -> int:
-        return len(self._kernels)
