@@ -22,11 +22,11 @@ mkdir -p "$TILELANG_CACHE_DIR"
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 status=0
-timeout "${LIMIT_STEP:-115}" python -m bench.ep_step --device cuda --model dummy:deepseek-v3-4l \
+timeout "${LIMIT_STEP:-120}" python3 -m bench.ep_step --device cuda --model dummy:deepseek-v3-4l \
   --batches 1,64 --context 256 --steps 30 --trace "$OUT/trace" --trace-steps 200 \
   --commit "$COMMIT" --out "$OUT/ep_step_h200.json" || { echo "ep_step: exit $?"; status=1; }
 if [ -f "$OUT/trace/ep1.rtrace" ]; then
-  timeout "${LIMIT_REPLAY:-30}" python -m bench.eplb_replay "$OUT/trace/ep1.rtrace" \
+  timeout "${LIMIT_REPLAY:-25}" python3 -m bench.eplb_replay "$OUT/trace/ep1.rtrace" \
     --ranks 8,32,64 --window 100 --interval 50 --commit "$COMMIT" \
     --out "$OUT/eplb_replay_h200.json" || { echo "eplb_replay: exit $?"; status=1; }
 else
