@@ -198,8 +198,9 @@ def test_a_group_of_ferry_workers_on_two_hosts_answers_as_aggregated_and_dies_wh
 ):
     flags = (*FLAGS, "--model", str(folder), "--kv-transport", "tcp")
     with serve(tmp_path / "serve.log", *flags, "--decode", "0", healthy=False) as s:
+        leader = f"127.0.0.1:{free_port()}"
         worker = (*flags, "--role", "decode", "--name", "dx", "--ep", "2", "--ep-local-ranks",
-                  "1", "--ep-leader", f"127.0.0.1:{free_port()}", "--frontend", s.control_url)  # fmt: skip
+                  "1", "--ep-leader", leader, "--frontend", s.control_url)  # fmt: skip
         with (
             run_worker(tmp_path / "w0.log", *worker, "--ep-node-rank", "0") as w0,
             run_worker(tmp_path / "w1.log", *worker, "--ep-node-rank", "1") as w1,
