@@ -54,12 +54,18 @@ def machine_info() -> dict:
     return info
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after one warm-up."""
-    fn()
+def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall time of ``fn()`` in seconds in each of ``repeats`` runs, after ``warmup``."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after one warm-up."""
+    return statistics.median(wall_times(fn, repeats))

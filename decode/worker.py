@@ -12,6 +12,11 @@ Reserved blocks are freed only when no write can still be coming: on ``KVReady``
 ``KVFailed`` (the frontend sends one for every ``KVWanted``, also when the prefill worker
 died or the client left), or the transfer timeout plus a grace period after the
 reservation. An abort that arrives while the KV is on its way waits for one of those.
+
+A decode worker may be one rank of an expert-parallel group (``WorkerConfig.group``): it
+is still a decode worker of its own to the frontend — its own channel, requests, KV cache
+and receiver — but it keeps only its share of the routed experts and steps in lockstep
+with the other ranks (``engine.ep.role.GroupedRole``).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import msgspec
 from decode.messages import CODEC, DecodeRequest, KVFailed, KVReady, KVWanted
 from engine import logs
 from engine.core import EngineCore
+from engine.ep.role import GroupedRole
 from engine.messages import Abort, EngineRequest, RequestOutput, WorkerReady, WorkerStats
 from engine.pd_scheduler import DecodeScheduler
 from engine.worker.config import WorkerConfig
-from engine.worker.shell import Outbox, WorkerRole, main
+from engine.worker.shell import Outbox, main
 from kvstore.transport import get_transport
 from kvstore.transport.base import KVDestination
 
@@ -36,15 +42,16 @@ log = logging.getLogger("ferry.decode")
 GRACE_S = 10.0  # after a reservation's deadline: time for a transfer already started
 
 
-class DecodeWorker(WorkerRole):
+class DecodeWorker(GroupedRole):
     role = "decode"
     codec = CODEC
 
     def __init__(self, config: WorkerConfig, secret: str) -> None:
         transfer = config.transfer
         backend = get_transport(transfer.transport, secret=secret)
+        experts = self.join_group(config)
         self.core = EngineCore(config.engine, cache_factory=backend.allocate_cache,
-                               scheduler_cls=DecodeScheduler)  # fmt: skip
+                               scheduler_cls=DecodeScheduler, experts=experts)  # fmt: skip
         self.sched: DecodeScheduler = self.core.scheduler  # type: ignore[assignment]
         self.receiver = backend.receiver(self.core.kv_cache, transfer.kv_host)
         self.local_prefill_tokens = transfer.local_prefill_tokens
@@ -55,15 +62,15 @@ class DecodeWorker(WorkerRole):
         self._touched = False
 
     def ready(self) -> WorkerReady:
-        return self.core.ready(self.role, self.receiver.endpoint)
+        return self.core.ready(self.role, self.receiver.endpoint, **self.group_ready())
 
     @property
     def busy(self) -> bool:
-        return self.core.has_work or bool(self.sched.reserving)
+        return self.core.has_work or bool(self.sched.reserving) or self.group_busy
 
     @property
     def settled(self) -> bool:
-        return not self.busy and not self.sched.num_transferring
+        return not (self.core.has_work or self.sched.reserving or self.sched.num_transferring)
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -161,14 +168,15 @@ class DecodeWorker(WorkerRole):
 
     def tick(self) -> Outbox:
         self._expire()
+        if self.group is not None:  # the group's round, with nothing of its own to run
+            self._out.outputs += self.engine_step()
         return self._take()
 
     def step(self) -> Outbox:
         self._expire()
         self._reserve()
         self._touched |= self.core.has_work
-        if self.core.has_work:
-            self._out.outputs += self.core.step()
+        self._out.outputs += self.engine_step()
         return self._take()
 
     def _take(self) -> Outbox:
@@ -180,13 +188,15 @@ class DecodeWorker(WorkerRole):
 
     def stats(self) -> WorkerStats:
         return WorkerStats(self.sched.stats(), self.sched.num_transferring,
-                           self.core.drain_kv_events(), draining=self.draining)  # fmt: skip
+                           self.core.drain_kv_events(), draining=self.draining,
+                           experts=self.expert_stats())  # fmt: skip
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
 
     def close(self) -> None:
         self.receiver.close()
+        super().close()
 
 
 if __name__ == "__main__":

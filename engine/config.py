@@ -414,6 +414,33 @@ class StructuredOutputConfig:
 
 
 @dataclass(frozen=True)
+class ExpertParallelConfig:
+    """How the routed experts of a MoE model are spread and balanced (``engine.ep``).
+
+    The group itself (its size, this process's rank, the rendezvous) comes from the worker
+    (``engine.worker.config.GroupMember``); this part is what every rank shares.
+    ``redundant_experts``: physical expert slots per group beyond one per logical expert
+    (a multiple of the group's size; each rank holds ``(experts + R) / size`` slots).
+    ``eplb_interval``: rebalance every this many steps of the group (0: never);
+    ``eplb_window``: the steps whose routed tokens the balancer counts. ``routing_trace``:
+    a directory each worker writes its routing trace into, one file per rank ("": none).
+    ``timeout_s``: how long a collective of the group may wait for a peer before the rank
+    gives up (a peer that died is seen at once on gloo; this bounds a hung one)."""
+
+    redundant_experts: int = 0
+    eplb_interval: int = 0
+    eplb_window: int = 1000
+    routing_trace: str = ""
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.redundant_experts < 0 or self.eplb_interval < 0 or self.eplb_window < 1:
+            raise ValueError("redundant experts and the EPLB interval are >= 0, the window >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError("the group's collective timeout must be positive")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine process needs to start, composed from the parts above."""
 
@@ -432,6 +459,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    ep: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import build_backend
 from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.ep.experts import ExpertParallel
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.sizing import auto_kv_blocks
@@ -43,6 +44,7 @@ from engine.structured import GrammarCompiler, GrammarGate
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole
 from engine.worker.shell import main as worker_main
+from kernels import compile_seconds
 from kvstore.events import KVEvent
 from kvstore.hashing import extra_keys
 from kvstore.layout import KVCache, KVCacheLayout
@@ -62,17 +64,29 @@ class EngineCore:
         progress: bool = False,
         cache_factory: Callable[[KVCacheLayout, int, str], KVCache] = KVCache,
         scheduler_cls: type[Scheduler] = Scheduler,
+        experts: ExpertParallel | None = None,
     ) -> None:
         """``cache_factory`` and ``scheduler_cls``: what a worker role needs instead of the
-        defaults (a KV cache a transport can write into; ``engine.pd_scheduler``)."""
+        defaults (a KV cache a transport can write into; ``engine.pd_scheduler``);
+        ``experts``: this rank's share of an expert-parallel group's experts, which keeps
+        only its own slots of the loaded model (``engine.ep``). Decode steps are captured
+        into CUDA graphs only where its dispatcher can be.
+
+        ``startup``: seconds the start took, by phase (``weights``: load, and keep this
+        rank's experts; ``compile``: building kernels; ``graphs``: capturing the decode
+        graphs, kernel builds apart)."""
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
         config = config.replace(cpu_weights=resolve_cpu_weights(config))
+        started, compiled = time.perf_counter(), compile_seconds()
         loaded = load_model(
             config.model, config.device, dtype, progress, weights=config.cpu_weights
         )
+        if experts is not None:
+            experts.attach(loaded.model)
+        self.startup = {"weights": time.perf_counter() - started}
         self.model_config = loaded.config
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -107,9 +121,16 @@ class EngineCore:
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size, drafter,
                                   proposes=scheduler_cls.drafts)  # fmt: skip
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
+        captured = time.perf_counter()
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
-            sched = self.config.scheduler
-            self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
+            if experts is None or experts.dispatcher.capturable:
+                sched = self.config.scheduler
+                self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
+            else:
+                log.info("decode steps run eagerly: the %s cannot be captured",
+                         type(experts.dispatcher).__name__)  # fmt: skip
+        self.startup["compile"] = compile_seconds() - compiled
+        self.startup["graphs"] = time.perf_counter() - captured - self.startup["compile"]
         self.hash_extra = extra_keys(self.fingerprint)  # what this model's block hashes mix in
         so = config.structured
         self.grammars = GrammarGate(
@@ -247,12 +268,16 @@ class EngineCore:
         """What the KV cache and its tiers gained or lost since the last call."""
         return self.kv.pool.drain_events()
 
-    def ready(self, role: str, endpoint: KVEndpoint | None = None) -> WorkerReady:
-        """The ready message of a worker serving this engine as ``role``."""
+    def ready(self, role: str, endpoint: KVEndpoint | None = None,
+              **group: Any) -> WorkerReady:  # fmt: skip
+        """The ready message of a worker serving this engine as ``role`` (``group``: a
+        rank's ``group``, ``rank`` and ``group_size``, and more ``startup`` phases)."""
         cache = self.config.cache
+        startup = {**self.startup, **group.pop("startup", {})}
         return WorkerReady(role, cache.num_blocks, cache.block_size, self.max_model_len,
                            self.model_name, self.hash_extra, endpoint, self.config.device,
-                           cache.num_blocks * self.kv_cache.layout.bytes_per_block)  # fmt: skip
+                           cache.num_blocks * self.kv_cache.layout.bytes_per_block,
+                           startup=startup, **group)  # fmt: skip
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

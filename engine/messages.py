@@ -75,6 +75,18 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # prompt token, the first None (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's ``later`` one as one: tokens (and their
+        logprobs) in order, ``later``'s ending, the first prompt logprobs."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = [*(logprobs or ()), *later.logprobs]
+        return RequestOutput(
+            self.request_id, self.new_token_ids + later.new_token_ids, later.finish_reason,
+            later.num_cached_tokens or self.num_cached_tokens, logprobs, later.stop_token_id,
+            later.error, self.prompt_logprobs or later.prompt_logprobs,
+        )  # fmt: skip
+
 
 class EngineStats(msgspec.Struct, frozen=True):
     num_running: int = 0
@@ -117,7 +129,11 @@ class EngineStats(msgspec.Struct, frozen=True):
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):
-    """A worker is up: what it serves and how much room it has."""
+    """A worker is up: what it serves and how much room it has. A rank of an
+    expert-parallel group names the group, its rank and the group's size. ``startup``:
+    seconds its start took, by phase (``process``: interpreter and imports; ``group``:
+    meeting its group's ranks; ``weights``; ``compile``: the first forward, where kernels
+    compile; ``graphs``: CUDA graph capture)."""
 
     role: str  # "engine" | "prefill" | "decode"
     num_blocks: int
@@ -128,12 +144,35 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     endpoint: KVEndpoint | None = None  # where KV for it goes (a decode worker's receiver)
     device: str = ""  # where its engine runs (cpu, cuda:1)
     kv_cache_bytes: int = 0  # the size of its KV cache
+    group: str = ""
+    rank: int = 0
+    group_size: int = 1
+    startup: dict[str, float] = {}
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):
     """A worker could not start; why."""
 
     message: str
+
+
+class ExpertStats(msgspec.Struct, frozen=True):
+    """A rank's experts (``engine.ep``), since it started: ``routed`` [layer-major,
+    ``len(moe_layers) * num_experts``] the (token, choice) pairs its own tokens routed to
+    each logical expert of each MoE layer (``moe_layers``: their decoder layer indices);
+    ``computed`` the pairs its expert slots computed, whoever routed them; ``rebalances``
+    the placements its group switched to; ``imbalance`` the balancer's max/mean rank load
+    (mean over layers) at its last rebalance (0: none yet)."""
+
+    group: str
+    rank: int
+    size: int
+    moe_layers: list[int]
+    num_experts: int
+    routed: list[int]
+    computed: int = 0
+    rebalances: int = 0
+    imbalance: float = 0.0
 
 
 class WorkerStats(msgspec.Struct, tag=True):
@@ -144,6 +183,7 @@ class WorkerStats(msgspec.Struct, tag=True):
     events: list[KVEvent] = []  # since the previous stats message
     tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
     draining: bool = False  # finishing what it has; send it nothing new
+    experts: ExpertStats | None = None  # an expert-parallel rank's, at most once a second
 
 
 class Heartbeat(msgspec.Struct, tag=True, frozen=True):

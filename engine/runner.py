@@ -187,6 +187,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.states: dict[str, _RowState] = {}
         self.graphs: DecodeGraphs | None = None
+        self.num_forwards = 0  # model forwards run (or replayed) since start
 
     def capture_decode_graphs(
         self,
@@ -349,6 +350,7 @@ class ModelRunner:
             if not any(c.sample for c in chunks):
                 return torch.empty(0), None
             logits = self.graphs.run(chunks)
+            self.num_forwards += 1
             hidden = self.graphs.hidden(len(chunks))
             if all(c.sample for c in chunks):
                 return logits[: len(chunks)], hidden
@@ -358,11 +360,21 @@ class ModelRunner:
         hidden = self.model(
             inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
         )
+        self.num_forwards += 1
         if any(prompt_rows):
             self._prompt_logprobs(chunks, prompt_rows, hidden)
         if not inputs.sample_ids:
             return torch.empty(0), hidden
         return self.model.compute_logits(hidden[inputs.sample_rows]), hidden
+
+    def idle_forward(self) -> None:
+        """Run the model over no tokens: how a rank of an expert-parallel group with nothing
+        to run takes part in its MoE layers' exchanges (``engine.ep.group``)."""
+        none = torch.zeros(0, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.model(none, none, ForwardContext(AttentionMetadata.empty(self.device),
+                                                  self.backend))  # fmt: skip
+        self.num_forwards += 1
 
     def _prompt_logprobs(
         self, chunks: list[ScheduledChunk], rows: list[range], hidden: torch.Tensor

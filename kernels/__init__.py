@@ -20,6 +20,6 @@ import it on first use, so CPU-only machines can use the references.
   expert received (gate/up with the SiLU fused, down with the routing weight fused).
 """
 
-from kernels._tl import ATTENTION_DTYPES, kernels_usable, tilelang_available
+from kernels._tl import ATTENTION_DTYPES, compile_seconds, kernels_usable, tilelang_available
 
-__all__ = ["ATTENTION_DTYPES", "kernels_usable", "tilelang_available"]
+__all__ = ["ATTENTION_DTYPES", "compile_seconds", "kernels_usable", "tilelang_available"]

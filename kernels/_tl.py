@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -66,7 +67,11 @@ def check_rows_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
 
 
 class KernelCache:
-    """Compiled kernels by configuration key; builds each key once, thread-safe."""
+    """Compiled kernels by configuration key; builds each key once, thread-safe.
+    ``build_seconds``: the time every cache of the process has spent building (compiling,
+    or loading from TileLang's disk cache) so far."""
+
+    build_seconds: ClassVar[float] = 0.0
 
     def __init__(self) -> None:
         self._kernels: dict[Hashable, Any] = {}
@@ -78,9 +83,16 @@ class KernelCache:
             with self._lock:
                 kernel = self._kernels.get(key)
                 if kernel is None:
+                    started = time.perf_counter()
                     kernel = build()
+                    KernelCache.build_seconds += time.perf_counter() - started
                     self._kernels[key] = kernel
         return kernel
 
     def __len__(self) -> int:
         return len(self._kernels)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent building kernels (``KernelCache.build_seconds``)."""
+    return KernelCache.build_seconds

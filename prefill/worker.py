@@ -13,6 +13,9 @@ the transfer's figures) goes to the frontend, which gives the token to the clien
 tells the decode worker. Every request ends in exactly one ``PrefillDone`` or
 ``PrefillFailed``, and only when none of its sends is still running: the decode worker
 frees its reservation on either.
+
+A prefill worker may be one rank of an expert-parallel group (``WorkerConfig.group``),
+as a decode worker may (``engine.ep.role.GroupedRole``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import msgspec
 
 from engine import logs
 from engine.core import EngineCore
+from engine.ep.role import GroupedRole
 from engine.kv_cache.block_pool import Block
 from engine.messages import Abort, EngineRequest, RequestOutput, WorkerReady, WorkerStats
 from engine.pd_scheduler import PREFILLED, PrefillScheduler
 from engine.worker.config import WorkerConfig
-from engine.worker.shell import Outbox, WorkerRole, main
+from engine.worker.shell import Outbox, main
 from kvstore.transport import TransferStats, get_transport
 from kvstore.transport.base import KVDestination
 from prefill.messages import CODEC, PrefillDone, PrefillFailed, PrefillRequest
@@ -62,12 +66,13 @@ class _Shipment:
         return not self.jobs and (self.failure is not None or self.outcome is not None)
 
 
-class PrefillWorker(WorkerRole):
+class PrefillWorker(GroupedRole):
     role = "prefill"
     codec = CODEC
 
     def __init__(self, config: WorkerConfig, secret: str) -> None:
-        self.core = EngineCore(config.engine, scheduler_cls=PrefillScheduler)
+        experts = self.join_group(config)
+        self.core = EngineCore(config.engine, scheduler_cls=PrefillScheduler, experts=experts)
         self.sched: PrefillScheduler = self.core.scheduler  # type: ignore[assignment]
         self.block_size = self.core.config.cache.block_size
         transport = get_transport(config.transfer.transport, secret=secret)
@@ -80,7 +85,7 @@ class PrefillWorker(WorkerRole):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
 
     def ready(self) -> WorkerReady:
-        return self.core.ready(self.role)
+        return self.core.ready(self.role, **self.group_ready())
 
     @property
     def sending(self) -> bool:
@@ -88,7 +93,7 @@ class PrefillWorker(WorkerRole):
 
     @property
     def busy(self) -> bool:
-        return self.core.has_work
+        return self.core.has_work or self.group_busy
 
     @property
     def settled(self) -> bool:
@@ -133,21 +138,27 @@ class PrefillWorker(WorkerRole):
     # -- steps ------------------------------------------------------------------------------
 
     def step(self) -> Outbox:
-        self._stepped |= self.core.has_work
-        if self.core.has_work:
-            before = {rid: self.sched.computed_tokens(rid) for rid in self.shipments}
-            started = time.perf_counter()
-            for out in self.core.step():
-                if out.finish_reason is not None:
-                    self._prefilled(out)
+        working = self.core.has_work
+        self._stepped |= working
+        before = {rid: self.sched.computed_tokens(rid) for rid in self.shipments}
+        started = time.perf_counter()
+        for out in self.engine_step():
+            if out.finish_reason is not None:
+                self._prefilled(out)
+        if working:
             self._measure(before, time.perf_counter() - started)
         for rid, ship in self.shipments.items():
             computed = self.sched.computed_tokens(rid)
             if ship.failure is None and computed is not None:
                 self._ship(rid, ship, min(computed, ship.num_tokens))
-        return self.tick()
+        return self._report()
 
     def tick(self) -> Outbox:
+        if self.group is not None:  # the group's round, with nothing of its own to run
+            return self.step()
+        return self._report()
+
+    def _report(self) -> Outbox:
         """Collect the sends that have ended; report requests whose KV is settled."""
         self._collect()
         out, self._out = self._out, Outbox()
@@ -245,7 +256,7 @@ class PrefillWorker(WorkerRole):
     def stats(self) -> WorkerStats:
         return WorkerStats(self.sched.stats(), self.sched.num_transferring,
                            self.core.drain_kv_events(), self.tokens_per_s,
-                           self.draining)  # fmt: skip
+                           self.draining, self.expert_stats())  # fmt: skip
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
@@ -253,6 +264,7 @@ class PrefillWorker(WorkerRole):
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.sender.close()
+        super().close()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _TRANSFER_BUCKETS = (
@@ -129,6 +129,59 @@ class WorkerQueueCollector(Collector):
             families["inflight"].add_metric(key, w.inflight)
             families["queued"].add_metric(key, w.queued_tokens)
         yield from families.values()
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class ExpertLoadCollector(Collector):
+    """Expert-parallel groups: each group's ranks and health, each rank's computed
+    (token, expert) pairs, the pairs the group routed to each logical expert of each MoE
+    layer (summed over its ranks), its rebalances and the balancer's latest max/mean rank
+    load; read from the ranks' latest ``ExpertStats``."""
+
+    def __init__(self, groups: Callable[[], dict[str, list]]) -> None:
+        self._groups = groups
+
+    def collect(self) -> Iterator[Metric]:
+        size = GaugeMetricFamily("ferry_ep_group_ranks", "Ranks of an expert-parallel group",
+                                 labels=["group", "role"])
+        healthy = GaugeMetricFamily("ferry_ep_group_healthy",
+                                    "1 while every rank of an expert-parallel group is alive",
+                                    labels=["group"])
+        computed = CounterMetricFamily(
+            "ferry_ep_rank_computed_pairs",
+            "(token, expert) pairs a rank's expert slots computed (its load)",
+            labels=["group", "worker"])
+        routed = CounterMetricFamily(
+            "ferry_expert_routed_pairs",
+            "(token, expert) pairs a group's tokens routed to each logical expert",
+            labels=["group", "layer", "expert"])
+        rebalances = CounterMetricFamily("ferry_eplb_rebalances",
+                                         "Expert placements a group switched to",
+                                         labels=["group"])
+        imbalance = GaugeMetricFamily(
+            "ferry_eplb_imbalance",
+            "Max/mean rank load the balancer expects after its latest rebalance",
+            labels=["group"])  # fmt: skip
+        for name, ranks in self._groups().items():
+            if not ranks:
+                continue
+            size.add_metric([name, ranks[0].role], len(ranks))
+            healthy.add_metric([name], int(all(r.alive for r in ranks)))
+            reports = [(r, r.experts) for r in ranks if r.alive and r.experts is not None]
+            for rank, stats in reports:
+                computed.add_metric([name, rank.name], stats.computed)
+            if not reports:
+                continue
+            first = reports[0][1]
+            total = [sum(col) for col in zip(*(s.routed for _, s in reports))]
+            for i, count in enumerate(total):
+                layer, expert = divmod(i, first.num_experts)
+                routed.add_metric([name, str(first.moe_layers[layer]), str(expert)], count)
+            rebalances.add_metric([name], max(s.rebalances for _, s in reports))
+            imbalance.add_metric([name], first.imbalance)
+        yield from (size, healthy, computed, routed, rebalances, imbalance)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

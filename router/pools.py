@@ -9,6 +9,15 @@ here first: its stats update the worker's load and health figures and its KV eve
 feed the prefix index (unless Redis does), then the request protocol
 (``router.disagg``) gets what is about requests. A dead worker leaves rotation and the
 index before the protocol hears of it.
+
+**Expert-parallel groups** (``PDConfig.decode_ep`` / ``prefill_ep``, or ranks that say so
+in their ready message): each rank is a worker of its own here — its own channel, prefix
+index entries, load and health — named ``<worker>/r<rank>``, and the spawned ranks of a
+group meet through a rendezvous file in this frontend's private temporary directory. A
+group lives and dies whole: when one rank dies or goes silent, every other rank of its
+group leaves rotation at once and the spawned ones are killed (so none waits in a
+collective for a peer that is gone), each rank's requests migrate as on any death, and
+once every rank's death is handled the group is started again, all ranks together.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -30,10 +40,10 @@ from prometheus_client import Counter
 from decode.messages import CODEC as DECODE
 from engine.config import EngineConfig
 from engine.messages import EngineStats, stats_of
-from engine.worker.config import WorkerConfig
+from engine.worker.config import GroupMember, WorkerConfig
 from prefill.messages import CODEC as PREFILL
 from router.config import PDConfig
-from router.metrics import TransferMetrics, WorkerQueueCollector
+from router.metrics import ExpertLoadCollector, TransferMetrics, WorkerQueueCollector
 from router.registry import RedisDirectory
 from router.routing import Router
 from router.workers import WorkerProcess
@@ -83,6 +93,8 @@ class WorkerPools:
         self.num_blocks = 0
         self.prefill: list[WorkerProcess] = []
         self.decode: list[WorkerProcess] = []
+        self.groups: dict[str, list[WorkerProcess]] = {}  # group name -> its ranks, in order
+        self._regrouping: set[str] = set()  # groups being started again
         self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
@@ -106,21 +118,22 @@ class WorkerPools:
         Redis registry, if there is one."""
         self.start_timeout = timeout
         pd = self.pd
-        roles = ["prefill"] * pd.num_prefill + ["decode"] * pd.num_decode
-        devices = worker_devices(self.config.device, len(roles))
+        plan = [("prefill", pd.prefill_ep)] * pd.num_prefill
+        plan += [("decode", pd.decode_ep)] * pd.num_decode
+        devices = iter(worker_devices(self.config.device, sum(size for _, size in plan)))
         counts = {"prefill": 0, "decode": 0}
         started = []
-        for role, device in zip(roles, devices):
+        for role, size in plan:
             name = f"{role[0]}{counts[role]}"
             counts[role] += 1
             if pd.redis_url:  # registered for every frontend: the name must be unique
                 name = f"{self.frontend_id}/{name}"
-            config = WorkerConfig(role, self.config.replace(device=device), pd.transfer,
-                                  name=name, redis_url=pd.redis_url)  # fmt: skip
-            worker = self._handle(name, role)
-            started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout,
-                                        self._secret))  # fmt: skip
-            (self.prefill if role == "prefill" else self.decode).append(worker)
+            ranks = self._specs(role, name, [next(devices) for _ in range(size)])
+            for rank_name, config in ranks:
+                worker = self._handle(rank_name, role)
+                started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout,
+                                            self._secret))  # fmt: skip
+                self._pool(role).append(worker)
         await asyncio.gather(*started)
         for worker in self.workers:
             self._enlist(worker)
@@ -128,6 +141,32 @@ class WorkerPools:
             self.directory = RedisDirectory(pd.redis_url, self._join, self.router.index.apply,
                                             self._set_draining)  # fmt: skip
             self._directory_task = asyncio.create_task(self.directory.run())
+
+    def _pool(self, role: str) -> list[WorkerProcess]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def _specs(self, role: str, name: str, devices: list[str]) -> list[tuple[str, WorkerConfig]]:
+        """(name, config) of each process of the worker ``name``: one, or the ranks of an
+        expert-parallel group on ``devices`` (one each), which meet through a fresh
+        rendezvous file here."""
+        pd = self.pd
+
+        def config(device: str, worker: str, group: GroupMember | None = None) -> WorkerConfig:
+            return WorkerConfig(role, self.config.replace(device=device), pd.transfer,
+                                name=worker, redis_url=pd.redis_url, group=group)  # fmt: skip
+
+        if len(devices) == 1:
+            return [(name, config(devices[0], name))]
+        if devices[0].startswith("cuda") and len(set(devices)) < len(devices):
+            raise ValueError(f"an expert-parallel group of {len(devices)} ranks needs as many "
+                             f"GPUs, one per rank (got {devices})")  # fmt: skip
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        rendezvous = f"{self._tmp}/{safe}-{uuid.uuid4().hex[:8]}.rendezvous"
+        ranks = []
+        for rank, device in enumerate(devices):
+            member = GroupMember(name, rank, len(devices), rendezvous)
+            ranks.append((f"{name}/r{rank}", config(device, f"{name}/r{rank}", member)))
+        return ranks
 
     def _handle(self, name: str, role: str) -> WorkerProcess:
         worker = WorkerProcess(name, role, ROLES[role][1], self._ctx,
@@ -157,10 +196,10 @@ class WorkerPools:
         finally:
             self._joining.discard(name)
         if old is not None:
-            for group in (self.prefill, self.decode):
-                if old in group:
-                    group.remove(old)
-        (self.prefill if role == "prefill" else self.decode).append(worker)
+            for pool in (self.prefill, self.decode):
+                if old in pool:
+                    pool.remove(old)
+        self._pool(role).append(worker)
         self._enlist(worker)
         log.info("%s worker %s joined from %s", role, name, address)
         return worker
@@ -183,8 +222,13 @@ class WorkerPools:
                 w.draining = True
 
     def _enlist(self, worker: WorkerProcess) -> None:
-        """Take a ready worker into rotation: the first one sets the model facts."""
+        """Take a ready worker into rotation: the first one sets the model facts; a rank
+        of a group joins the group's list."""
         ready = worker.ready
+        if worker.group:
+            ranks = self.groups.setdefault(worker.group, [])
+            ranks[:] = sorted([r for r in ranks if r.name != worker.name] + [worker],
+                              key=lambda r: r.rank)  # fmt: skip
         if not self.facts_set:
             self.block_size = self.router.block_size = ready.block_size
             self.router.hash_extra = ready.hash_extra
@@ -220,42 +264,134 @@ class WorkerPools:
 
     def _died(self, worker: WorkerProcess) -> None:
         self.router.index.remove_worker(worker.name)
+        self._take_down(worker)
         self._sized()
         self._events.worker_gone(worker)
-        if worker.spec is not None and self.pd.restart_workers and not self._closing:
-            task = asyncio.create_task(self._restart(worker))
-            self._restarting.add(task)
-            task.add_done_callback(self._restarting.discard)
+        worker.mourned = True
+        if self._closing or not self.pd.restart_workers:
+            return
+        if worker.group:
+            self._restart_when_down(worker.group)
+        elif worker.spec is not None:
+            self._track(self._restart(worker))
 
     def _silenced(self, worker: WorkerProcess) -> None:
         """A joined worker went silent: out of rotation (its requests move) until heard."""
         self.router.index.remove_worker(worker.name)
+        self._take_down(worker)
         self._sized()
         self._events.worker_gone(worker)
+
+    def _take_down(self, worker: WorkerProcess) -> None:
+        """A rank of a group is gone: so is the rest of the group. Every other rank leaves
+        rotation now (its own death follows from its pump), and a spawned one is killed
+        (not while this frontend stops them all)."""
+        if self._closing:
+            return
+        for rank in self.groups.get(worker.group, []) if worker.group else []:
+            if rank is worker or rank.dead is not None:
+                continue
+            rank.leave(f"{rank.label}: {worker.label} of its group {worker.group} is gone")
+            if rank.proc is not None and rank.proc.poll() is None:
+                rank.proc.kill()
+
+    def _restart_when_down(self, group: str) -> None:
+        """Once the death of every rank of a spawned group has been handled, start the
+        group again."""
+        ranks = self.groups.get(group, [])
+        spawned = all(r.spec is not None for r in ranks)
+        if spawned and all(r.mourned for r in ranks) and group not in self._regrouping:
+            self._regrouping.add(group)
+            self._track(self._restart_group(group))
+
+    def _track(self, restart) -> None:
+        """Run a restart as a task that shutdown cancels."""
+        task = asyncio.create_task(restart)
+        self._restarting.add(task)
+        task.add_done_callback(self._restarting.discard)
 
     def _revived(self, worker: WorkerProcess) -> None:
         self._sized()
         self._events.worker_back(worker)
 
+    def _backoff(self, name: str, label: str, why: str | None) -> float | None:
+        """Seconds to wait before restarting ``name`` again; None once it has been
+        restarted ``len(RESTART_BACKOFF_S)`` times within ``RESTART_WINDOW_S``."""
+        now = time.monotonic()
+        recent = [t for t in self._restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+        if len(recent) >= len(RESTART_BACKOFF_S):
+            log.error("%s died %d times in %.0f s: not restarting it", label, len(recent) + 1,
+                      RESTART_WINDOW_S)  # fmt: skip
+            return None
+        self._restarts[name] = [*recent, now]
+        wait = RESTART_BACKOFF_S[len(recent)]
+        log.warning("restarting %s in %.0f s (%s)", label, wait, why)
+        return wait
+
+    async def _restart_group(self, group: str) -> None:
+        """Start every rank of a dead spawned group again, together (a fresh rendezvous,
+        the same devices and names), after a back-off; a group that fails to start is dead
+        again (and tried again, with the next back-off)."""
+        try:
+            failed = await self._start_group_again(group)
+        finally:
+            self._regrouping.discard(group)
+        if failed:
+            self._restart_when_down(group)
+
+    async def _start_group_again(self, group: str) -> bool:
+        """Whether starting ``group`` again failed."""
+        dead = list(self.groups[group])
+        role = dead[0].role
+        await asyncio.gather(*(r.shutdown() for r in dead))
+        wait = self._backoff(group, f"{role} group {group}", dead[0].dead)
+        if wait is None:
+            return False
+        await asyncio.sleep(wait)
+        if self._closing:
+            return False
+        specs = self._specs(role, group, [r.spec[1].engine.device for r in dead])
+        fresh = [self._handle(name, role) for name, _ in specs]
+        try:
+            outcomes = await asyncio.gather(*(
+                w.spawn(ROLES[role][0], config, self._tmp, self.start_timeout, self._secret)
+                for w, (_, config) in zip(fresh, specs)
+            ), return_exceptions=True)  # fmt: skip
+        except asyncio.CancelledError:  # the frontend is shutting down meanwhile
+            await asyncio.gather(*(w.shutdown() for w in fresh), return_exceptions=True)
+            raise
+        for old, new in zip(dead, fresh):
+            self._swap(self._pool(role), old, new)
+        self.groups[group] = fresh
+        failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if failure is not None:
+            log.error("%s group %s did not restart: %s", role, group, failure)
+            for w in fresh:
+                if w.proc is not None and w.proc.poll() is None:
+                    w.proc.kill()
+                await w.shutdown()
+                w.dead, w.mourned = w.dead or f"did not restart: {failure}", True
+            self._sized()
+            return True
+        for w in fresh:
+            self.restarts.labels(role).inc()
+            self._enlist(w)
+        log.info("%s group %s restarted", role, group)
+        return False
+
     async def _restart(self, dead: WorkerProcess) -> None:
         """Start a dead spawned worker again in its place, after a back-off; give up after
         ``len(RESTART_BACKOFF_S)`` restarts within ``RESTART_WINDOW_S``."""
         await dead.shutdown()  # its channel: it would reconnect to the new process
-        now = time.monotonic()
-        recent = [t for t in self._restarts.get(dead.name, []) if now - t < RESTART_WINDOW_S]
-        if len(recent) >= len(RESTART_BACKOFF_S):
-            log.error("%s died %d times in %.0f s: not restarting it", dead.label,
-                      len(recent) + 1, RESTART_WINDOW_S)  # fmt: skip
+        wait = self._backoff(dead.name, dead.label, dead.dead)
+        if wait is None:
             return
-        wait = RESTART_BACKOFF_S[len(recent)]
-        self._restarts[dead.name] = [*recent, now]
-        log.warning("restarting %s in %.0f s (%s)", dead.label, wait, dead.dead)
         await asyncio.sleep(wait)
         if self._closing:
             return
         module, config = dead.spec
         worker = self._handle(dead.name, dead.role)
-        pool = self.prefill if dead.role == "prefill" else self.decode
+        pool = self._pool(dead.role)
         try:
             await worker.spawn(module, config, self._tmp, self.start_timeout, self._secret)
         except asyncio.CancelledError:  # the frontend is shutting down meanwhile
@@ -303,6 +439,12 @@ class WorkerPools:
         health = {"healthy": self.is_healthy, "topology": "disaggregated",
                   "transport": self.pd.transfer.transport,
                   "workers": [w.describe() for w in self.workers]}  # fmt: skip
+        if self.groups:
+            health["groups"] = [
+                {"name": name, "role": ranks[0].role, "size": len(ranks),
+                 "healthy": all(r.alive for r in ranks), "ranks": [r.name for r in ranks]}
+                for name, ranks in self.groups.items() if ranks
+            ]  # fmt: skip
         if self.directory is not None:
             health["redis"] = {"connected": self.directory.connected,
                                "events_read": self.directory.events_read}  # fmt: skip
@@ -318,7 +460,8 @@ class WorkerPools:
         return EngineStats(**total)
 
     def collectors(self) -> list:
-        return [WorkerQueueCollector(lambda: self.workers), self.restarts]
+        return [WorkerQueueCollector(lambda: self.workers),
+                ExpertLoadCollector(lambda: self.groups), self.restarts]  # fmt: skip
 
 
 def worker_devices(device: str, count: int) -> list[str]:

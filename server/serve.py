@@ -30,6 +30,7 @@ from engine.config import (
     SPEC_SCHEDULES,
     CacheConfig,
     EngineConfig,
+    ExpertParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputConfig,
@@ -89,6 +90,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="decode workers to start (more may join: ferry worker)")
     pools.add_argument("--router-policy", choices=sorted(POLICIES), default=PDConfig.policy,
                        help="how the prefill and the decode worker of a request are chosen")
+    pools.add_argument("--prefill-ep", type=int_at_least(1), default=PDConfig.prefill_ep,
+                       metavar="N", help="each prefill worker is an expert-parallel group of N "
+                       "rank processes (one per GPU with --device cuda)")
+    pools.add_argument("--decode-ep", type=int_at_least(1), default=PDConfig.decode_ep,
+                       metavar="N", help="each decode worker is an expert-parallel group of N "
+                       "rank processes (one per GPU with --device cuda)")
     add_transfer_flags(section(p, "transfer", "how KV moves from prefill to decode workers"))
     pools.add_argument("--restart-workers", action=argparse.BooleanOptionalAction,
                        default=PDConfig.restart_workers,
@@ -126,16 +133,16 @@ def add_api_flags(p: Any) -> None:
     (``ServerConfig``)."""
     p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
                    help="larger request bodies get 413 before they are read")
-    p.add_argument("--max-tokens-default", type=_int_at_least(0), default=MAX_TOKENS_DEFAULT,
+    p.add_argument("--max-tokens-default", type=int_at_least(0), default=MAX_TOKENS_DEFAULT,
                    metavar="N", help="output tokens of a request without max_tokens (0: fill "
                    f"the context; default {MAX_TOKENS_DEFAULT})")
-    p.add_argument("--max-tokens-limit", type=_int_at_least(1), metavar="N",
+    p.add_argument("--max-tokens-limit", type=int_at_least(1), metavar="N",
                    help="most tokens any request generates; one asking for more gets N "
                         "(default: as many as the context holds)")
-    p.add_argument("--max-queued-requests", type=_int_at_least(1),
+    p.add_argument("--max-queued-requests", type=int_at_least(1),
                    default=ServerConfig.max_queued_requests, metavar="N",
                    help="sequences that may wait for their first token; more get 429")
-    p.add_argument("--max-queued-tokens", type=_int_at_least(1),
+    p.add_argument("--max-queued-tokens", type=int_at_least(1),
                    default=ServerConfig.max_queued_tokens, metavar="N",
                    help="prompt tokens that may wait for a first token; more get 429")
     p.add_argument("--request-timeout", type=_at_least(0.0),
@@ -144,7 +151,7 @@ def add_api_flags(p: Any) -> None:
     p.add_argument("--drain-timeout", type=_at_least(0.0),
                    default=ServerConfig.drain_timeout_s, metavar="S",
                    help="on SIGTERM or Ctrl-C: seconds requests in flight may take to finish")
-    p.add_argument("--response-store-size", type=_int_at_least(0),
+    p.add_argument("--response-store-size", type=int_at_least(0),
                    default=ServerConfig.response_store_size, metavar="N",
                    help="Responses API: stored responses kept for previous_response_id")
     p.add_argument("--response-store-ttl", type=_at_least(0.0),
@@ -235,12 +242,26 @@ def add_engine_flags(p: Any) -> None:
                         f"(default: {StructuredOutputConfig.grammar_cache_mb})")
     engine.add_argument("--grammar-compile-threads", type=int, help="threads compiling "
                         f"grammars (default: {StructuredOutputConfig.compile_threads})")
+    ep = section(p, "ep", "expert-parallel groups of MoE models (--decode-ep, --prefill-ep)")
+    ep.add_argument("--ep-redundant-experts", type=int_at_least(0),
+                    default=ExpertParallelConfig.redundant_experts, metavar="R",
+                    help="extra physical expert slots per group, for replicas of hot experts "
+                         "(a multiple of the group's size)")
+    ep.add_argument("--eplb-interval", type=int_at_least(0),
+                    default=ExpertParallelConfig.eplb_interval, metavar="STEPS",
+                    help="rebalance the experts every this many steps (0: never)")
+    ep.add_argument("--eplb-window", type=int_at_least(1),
+                    default=ExpertParallelConfig.eplb_window, metavar="STEPS",
+                    help="the steps whose routed tokens a rebalance counts")
+    ep.add_argument("--routing-trace", metavar="DIR",
+                    help="record each step's tokens per layer and expert, one file per "
+                         "worker rank in DIR (bench/eplb_replay.py replays them)")
     spec = section(p, "speculative", "draft tokens and verify them in one forward")
     spec.add_argument("--speculative", default="none", metavar="DRAFTER",
                       help="who drafts: ngram (prompt lookup), mtp (the model's own "
                            "multi-token-prediction layers), draft:PATH (a small model with "
                            "the target's tokenizer), or none (default)")
-    spec.add_argument("--num-speculative-tokens", type=_int_at_least(0), default=0,
+    spec.add_argument("--num-speculative-tokens", type=int_at_least(0), default=0,
                       metavar="K", help="most drafts verified per request and step "
                                         "(default 3 with a drafter)")
     spec.add_argument("--spec-schedule", choices=list(SPEC_SCHEDULES), default="dynamic",
@@ -314,7 +335,7 @@ def _file_mode(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r}: an octal mode such as 600; {exc}") from None
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
     def parse(text: str) -> int:
         value = int(text)
         if value < low:
@@ -363,7 +384,7 @@ def host_tier_gb(args: argparse.Namespace) -> float:
         return args.host_kv_cache_gb
     workers = 1
     if not getattr(args, "aggregated", True):
-        workers = max(1, args.prefill + args.decode)
+        workers = max(1, args.prefill * args.prefill_ep + args.decode * args.decode_ep)
     return host_tier_bytes(available_memory_bytes(), workers) / 2**30
 
 
@@ -407,8 +428,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cpu_weights="cpu_weights", enforce_eager="enforce_eager",
         overlap_scheduling="overlap_scheduling",
     )  # fmt: skip
+    ep = ExpertParallelConfig(
+        redundant_experts=args.ep_redundant_experts, eplb_interval=args.eplb_interval,
+        eplb_window=args.eplb_window,
+        routing_trace=os.path.abspath(args.routing_trace) if args.routing_trace else "",
+    )  # fmt: skip
     return EngineConfig(
-        model=args.model, cache=cache, scheduler=scheduler, structured=structured,
+        model=args.model, cache=cache, scheduler=scheduler, structured=structured, ep=ep,
         speculative=speculative_config(args), **top,
     )  # fmt: skip
 
@@ -433,6 +459,9 @@ def kv_transport(args: argparse.Namespace) -> str:
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
     """The disaggregated topology, or None with ``--aggregated``."""
     if args.aggregated:
+        if args.decode_ep > 1 or args.prefill_ep > 1:
+            raise SystemExit("ferry: expert parallelism (--decode-ep, --prefill-ep) runs in the "
+                             "disaggregated topology, not with --aggregated")  # fmt: skip
         return None
     return PDConfig(
         num_prefill=args.prefill,
@@ -440,6 +469,8 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
+        prefill_ep=args.prefill_ep,
+        decode_ep=args.decode_ep,
         restart_workers=args.restart_workers,
         silence_timeout_s=args.worker_silence_timeout,
     )

@@ -157,6 +157,15 @@ def wait_for_files(kv_dir: Path, count: int, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # -- chi-square tests (no scipy here) ----------------------------------------------------------
 
 

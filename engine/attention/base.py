@@ -39,6 +39,17 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
 
+    @classmethod
+    def empty(cls, device: torch.device | str) -> AttentionMetadata:
+        """A step of no sequences and no tokens (an idle expert-parallel rank's forward)."""
+        return cls(
+            query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
+            slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+            max_query_len=0, max_seq_len=0, query_lens_cpu=[], seq_lens_cpu=[],
+        )  # fmt: skip
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
@@ -111,9 +122,13 @@ class ForwardContext:
     def attention(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        if not q.shape[0]:  # a forward over no tokens (an idle expert-parallel rank)
+            return q.new_empty(q.shape)
         return self.backend.forward(layer, q, k, v, self.meta)
 
     def mla_attention(
         self, layer: int, q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor
     ) -> torch.Tensor:
+        if not q.shape[0]:
+            return q.new_empty(0, q.shape[1], self.backend.mla.v_head_dim)
         return self.backend.forward(layer, q, latent, kv_b, self.meta)

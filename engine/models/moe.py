@@ -6,7 +6,8 @@ renormalised) and DeepSeek-V3's sigmoid scores with a selection-only correction 
 grouped top-k and a scaling factor are the same ``Router`` with other settings.
 
 The routed experts' computation is ``moe_experts(hidden, topk_ids, topk_weights, w13,
-w2)``, a pure function of the tokens, the routing and the stacked expert weights:
+w2)``, a pure function of the tokens, the routing and the stacked expert weights (the
+``Experts`` module's call):
 
 - ``hidden`` [T, H]; ``topk_ids`` [T, K] int64 expert ids; ``topk_weights`` [T, K] float32;
 - ``w13`` [E, 2I, H]: each expert's gate rows then up rows; ``w2`` [E, H, I]: its down
@@ -151,12 +152,20 @@ def _in_best_groups(choice: torch.Tensor, num_groups: int, topk_groups: int) -> 
 
 
 class Experts(nn.Module):
-    """The routed experts' weights, stacked: ``w13`` [E, 2I, H] and ``w2`` [E, H, I]."""
+    """The routed experts' weights, stacked: ``w13`` [E, 2I, H] and ``w2`` [E, H, I].
+
+    ``forward(hidden, topk_ids, topk_weights)`` is ``moe_experts`` over them; an
+    expert-parallel rank puts its own module in this one's place (``engine.ep.experts``),
+    with the same call."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return moe_experts(hidden, topk_ids, topk_weights, self.w13, self.w2)
 
 
 class MoE(nn.Module):
@@ -180,7 +189,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        out = moe_experts(x, topk_ids, topk_weights, self.experts.w13, self.experts.w2)
+        out = self.experts(x, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

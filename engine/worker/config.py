@@ -43,12 +43,31 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class GroupMember:
+    """This worker as rank ``rank`` of the expert-parallel group ``name`` of ``size``
+    ranks (``engine.ep.group``): each rank is a worker process with its own channel,
+    scheduler and KV cache, and the ranks meet through the ``FileStore`` at
+    ``rendezvous`` (a path in a directory only the group's owner can read), the group's
+    own connections bound to ``host``."""
+
+    name: str
+    rank: int
+    size: int
+    rendezvous: str
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in a group of {self.size}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """One worker: its role, its engine, how its KV moves, where it listens and who hears
     of it. ``listen``: the ZMQ address its channel binds (``ipc://`` when a frontend spawns
     it, ``tcp://`` for ``ferry worker``). ``redis_url``: register there as ``name`` and
     publish KV events there. ``exit_with_parent``: exit when the process that started it
-    is gone."""
+    is gone. ``group``: the expert-parallel group it is a rank of (None: none)."""
 
     role: str
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -57,6 +76,7 @@ class WorkerConfig:
     name: str = ""
     redis_url: str = ""
     exit_with_parent: bool = False
+    group: GroupMember | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

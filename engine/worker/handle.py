@@ -34,6 +34,7 @@ from engine import envs, logs
 from engine.messages import (
     Codec,
     EngineStats,
+    ExpertStats,
     Shutdown,
     WorkerFailed,
     WorkerReady,
@@ -73,6 +74,9 @@ class WorkerHandle:
         self.spec: tuple[str, WorkerConfig] | None = None  # how it was spawned (module, config)
         self.draining = False
         self.stats: EngineStats | None = None  # the worker's latest
+        self.experts: ExpertStats | None = None  # an expert-parallel rank's latest
+        self.ready_s = 0.0  # from spawn (or connect) to its ready message
+        self.mourned = False  # its death has been handled
         self.num_transferring = 0
         self.tokens_per_s = 0.0  # a prefill worker's measured rate
         self.proc: subprocess.Popen | None = None
@@ -89,6 +93,15 @@ class WorkerHandle:
         if self.name == self.role:  # the aggregated engine
             return f"{self.role} process"
         return f"{self.role} worker {self.name}"
+
+    @property
+    def group(self) -> str:
+        """The expert-parallel group it is a rank of ("" for none), as its ready says."""
+        return self.ready.group if self.ready is not None else ""
+
+    @property
+    def rank(self) -> int:
+        return self.ready.rank if self.ready is not None else 0
 
     @property
     def alive(self) -> bool:
@@ -124,7 +137,8 @@ class WorkerHandle:
         self._sock.connect(address)
         mine = auth.nonce()
         self._sock.send(HELLO + mine, zmq.NOBLOCK)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         proved = False
         while time.monotonic() < deadline:
             if await self._sock.poll(500):
@@ -137,6 +151,7 @@ class WorkerHandle:
                 if isinstance(msg, WorkerReady):
                     self.ready = msg
                     self._heard = time.monotonic()
+                    self.ready_s = self._heard - started
                     return msg
                 if isinstance(msg, WorkerFailed):
                     raise RuntimeError(f"{self.name} failed to start: {msg.message}")
@@ -164,6 +179,8 @@ class WorkerHandle:
         self.num_transferring = stats.num_transferring
         self.tokens_per_s = stats.tokens_per_s
         self.draining = stats.draining
+        if stats.experts is not None:
+            self.experts = stats.experts
 
     def run(
         self,
@@ -197,8 +214,8 @@ class WorkerHandle:
                         on_revive(self)
                 on_message(self, msg)
             elif self.proc is not None and self.proc.poll() is not None:
-                self.dead = f"{self.label} exited with code {self.proc.returncode}"
-            else:
+                self.dead = self.dead or f"{self.label} exited with code {self.proc.returncode}"
+            elif self.dead is None:
                 self._check_silence(on_silence)
         log.error("%s", self.dead)
         on_death(self)
@@ -247,8 +264,13 @@ class WorkerHandle:
         self._sock.close(linger=0)
 
     def describe(self) -> dict:
-        return {
+        described = {
             "name": self.name, "role": self.role, "healthy": self.alive,
             "draining": self.draining, "address": self.address,
             "pid": self.proc.pid if self.proc else None, "error": self.dead,
         }  # fmt: skip
+        if self.group:
+            described.update(group=self.group, rank=self.rank)
+        if self.ready is not None and self.ready.startup:  # seconds its start took, by phase
+            described["startup"] = {k: round(v, 3) for k, v in self.ready.startup.items()}
+        return described

@@ -57,6 +57,12 @@ class Outbox:
     stats: WorkerStats | None = None
 
 
+class RoleStopped(Exception):
+    """Raised by a role's ``step`` or ``tick`` when the worker cannot go on (a rank whose
+    expert-parallel group lost a rank): the shell logs the reason in one line, closes the
+    role and returns 1, the process's exit status."""
+
+
 class WorkerRole(ABC):
     """What a worker does, plugged into the shell's loop (``serve``).
 
@@ -74,11 +80,15 @@ class WorkerRole(ABC):
        (``stats()``): frontends tell by them that the worker is alive.
 
     Drain: once the drain event is set, ``draining`` is true (and said in every stats
-    message: frontends send nothing new), and the shell returns once ``settled`` (nothing
-    running, nothing held for a transfer). ``check_integrity`` runs whenever the role is
-    settled, when ``FERRY_DEBUG_INTEGRITY`` is on. ``close`` runs once, after the loop,
-    however it ended. A role is built as ``role_cls(config, secret)``; one that cannot be
-    built (its constructor raises) is reported to the frontends as ``WorkerFailed``.
+    message: frontends send nothing new), and the shell returns once ``stoppable`` — by
+    default ``settled`` (nothing running, nothing held for a transfer); a rank of a group
+    only once its whole group is. ``Shutdown`` goes to ``shutdown()``: True (the default)
+    and the shell returns at once; False (a rank of a group, which stops with its group)
+    and it returns once ``stoppable``. ``check_integrity`` runs whenever the role is settled,
+    when ``FERRY_DEBUG_INTEGRITY`` is on. ``step`` and ``tick`` may raise ``RoleStopped``
+    to end the worker. ``close`` runs once, after the loop, however it ended. A role is
+    built as ``role_cls(config, secret)``; one that cannot be built (its constructor
+    raises) is reported to the frontends as ``WorkerFailed``.
     """
 
     role: ClassVar[str]
@@ -106,6 +116,14 @@ class WorkerRole(ABC):
         return not self.busy
 
     @property
+    def stoppable(self) -> bool:
+        return self.settled
+
+    def shutdown(self) -> bool:
+        """A frontend sent ``Shutdown``: whether the shell returns at once."""
+        return True
+
+    @property
     def wait_ms(self) -> int:
         return int(HEARTBEAT_S * 1000)
 
@@ -120,12 +138,14 @@ class WorkerRole(ABC):
 
 
 def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChannel,
-          secret: str, drain: threading.Event | None = None) -> None:  # fmt: skip
+          secret: str, drain: threading.Event | None = None) -> int:  # fmt: skip
     """Run the role ``role_cls(config, secret)`` on ``channel`` until shut down, orphaned
     or drained (``drain``: once set, finish what it has and return); registered on Redis
     as ``config.name`` when ``config.redis_url`` is set. ``secret``: the cluster secret
-    (the channel proves it already; the role's KV transport proves it too)."""
+    (the channel proves it already; the role's KV transport proves it too). Returns the
+    process's exit status: 1 when the role could not start or stopped (``RoleStopped``)."""
     drain = drain or threading.Event()
+    started = process_age()
     registration = None
     if config.redis_url:
         from kvstore.registry import WorkerRegistration
@@ -143,16 +163,22 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
                       exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
             channel.ready(WorkerFailed(f"{type(exc).__name__}: {exc}"))
             channel.linger()
-            return
+            return 1
         ready = role.ready()
+        ready = msgspec.structs.replace(ready, startup={"process": started, **ready.startup})
         channel.ready(ready)
         _announce_ready(config, ready, channel.address)
         channel.start_heartbeat(HEARTBEAT_S)
+        name = config.name or channel.address
         try:
             _loop(role, channel, drain, _orphan_check(config.exit_with_parent), RequestLog())
+        except RoleStopped as exc:
+            log.error("%s worker %s stopped: %s", config.role, name, exc)
+            return 1
         finally:
             role.close()
-            log.info("%s worker %s stopped", config.role, config.name or channel.address)
+        log.info("%s worker %s stopped", config.role, name)
+        return 0
     finally:
         if registration is not None:
             registration.stop()
@@ -230,10 +256,12 @@ class RequestLog:
 def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
           orphaned: Callable[[], bool], requests: RequestLog) -> None:  # fmt: skip
     check = envs.DEBUG_INTEGRITY.get()
+    stopping = False  # Shutdown arrived; the role stops with its group
     while True:
         role.draining = drain.is_set()
-        if role.draining and role.settled:
-            channel.stats(role.stats())
+        if (role.draining or stopping) and role.stoppable:
+            if not stopping:
+                channel.stats(role.stats())
             return
         if not role.busy and not channel.poll(role.wait_ms):
             if orphaned():
@@ -242,7 +270,10 @@ def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
             continue
         for frontend, msg in channel.pending():
             if isinstance(msg, Shutdown):
-                return
+                if role.shutdown():
+                    return
+                stopping = True
+                continue
             opened = role.handle(msg)
             if opened is not None:
                 channel.claim(opened.request_id, frontend)
@@ -271,6 +302,19 @@ def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox, requests: Re
         channel.stats(stats)
 
 
+def process_age() -> float:
+    """Seconds since this process started (the interpreter's start and the imports, when
+    called first thing); 0 where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def _orphan_check(enabled: bool) -> Callable[[], bool]:
     """Whether the process that started this one (a frontend) has gone, when ``enabled``."""
     parent = os.getppid()
@@ -290,4 +334,5 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     if not secret:
         sys.exit(f"a {role_cls.role} worker needs the cluster secret in "
                  f"${envs.CLUSTER_SECRET.name} (a frontend that spawns it sets it)")
-    serve(role_cls, config, WorkerChannel(config.listen, role_cls.codec, secret), secret)
+    sys.exit(serve(role_cls, config, WorkerChannel(config.listen, role_cls.codec, secret),
+                   secret))  # fmt: skip

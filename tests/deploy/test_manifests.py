@@ -26,9 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES = "1.33.0"  # the oldest release the manifests are for
 OVERLAYS = [K8S, K8S / "decode-ep"]
-# flags of the decode EP group being built (ferry worker --decode-ep N): the overlay that
-# uses them is not deployable until they exist, and then this list must go
-PENDING_FLAGS = {"--decode-ep", "--ep-node-rank", "--ep-leader"}
 LWS_ENV = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}  # the controller's
 LIBRARY_ENV = {"NCCL_NVLS_ENABLE": "read by NCCL"}
 SAMPLE = {"POD_IP": "10.1.2.3", "POD_NAME": "ferry-decode-0", "LWS_WORKER_INDEX": "0",
@@ -165,12 +162,6 @@ def _mounted_file(resources: list[dict], pod: dict, container: dict, path: str,
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
     subs = commands(parser)
-    flags = {o for p in subs.values() for o in p._option_string_actions}
-    pending = [a for a in argv if a in PENDING_FLAGS]
-    assert not set(pending) & flags, f"{pending} exist now: use them, empty PENDING_FLAGS"
-    for flag in pending:  # drop the flag and its value
-        i = argv.index(flag)
-        argv = argv[:i] + argv[i + 2 :]
     args, unknown = parser.parse_known_args(with_topology(argv, subs))
     assert not unknown, f"not ferry flags: {unknown}"
     return args
@@ -209,6 +200,11 @@ def test_every_flag_env_var_and_port_exists_in_ferry(directory, tmp_path):
             for probe in ("startupProbe", "livenessProbe"):
                 assert container[probe]["tcpSocket"]["port"] in ports
             assert serve.transfer_config(args).transport in ("tcp", "nccl")  # across pods
+            if resource["kind"] == "LeaderWorkerSet":  # a pod's GPUs are ranks of one group
+                pods = resource["spec"]["leaderWorkerTemplate"]["size"]
+                gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+                assert args.ep == pods * gpus and args.ep_node_rank < pods
+                assert int(args.ep_leader.rsplit(":", 1)[1]) == ports["ep"]
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             port = container.get(probe, {}).get("httpGet", {}).get("port")
             assert port is None or port in ports
