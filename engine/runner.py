@@ -12,6 +12,15 @@ None). A chunk recomputed after a preemption replaces what it computed before. O
 prompt's first prefill computes them: a request that arrives with output tokens (resumed
 elsewhere) does not.
 
+Images (``NewRequest.media``): a chunk that covers an image's placeholder tokens takes
+their embeddings from ``embeddings(request_id)`` (one tensor per image, in order) and
+hands them to the model as ``Spliced`` rows; a model whose ``rope_table`` places a
+prompt's tokens off their indices (M-RoPE) gets positions ``[streams, T]`` for a step
+that holds such tokens, and ``index + delta`` ([T]) for one whose tokens all lie past
+the last image (decode steps, so their CUDA graphs serve those requests too). Positions
+depend only on the request and the token index, so prefix hits, chunking, preemption and
+a request that arrives with its KV computed elsewhere need nothing special.
+
 Decode-only steps replay a CUDA graph when ``capture_decode_graphs`` has run
 (``engine.cuda_graphs``); other steps run eagerly. Either way the step's forward and its
 sampling only queue device work: inputs go over from pinned memory without waiting, and
@@ -22,6 +31,7 @@ one synchronisation.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +40,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, RopeTable, Spliced
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.request import UNRESOLVED
 from engine.sampler import PromptLogprobs, SampledTokens, Sampler, SamplingRow
@@ -50,6 +60,14 @@ class _RowState:
     # prompt logprobs computed so far: (first position, its rows' logprobs), by position
     prompt_parts: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     prompt_sent: bool = False
+    rope: RopeTable | None = None  # positions that are not token indices (M-RoPE)
+
+    def rope_offset(self, start: int) -> int | None:
+        """What a token at ``start`` or later adds to its index as its position in every
+        stream; None when tokens there have positions of their own."""
+        if self.rope is None:
+            return 0
+        return self.rope.delta if start >= self.rope.linear_from else None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -87,20 +105,29 @@ class _RowState:
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # [T], or [streams, T] when some token has its own (M-RoPE)
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # indices into the step's tokens whose logits are sampled
     sample_ids: list[str]
+    spliced: Spliced | None = None  # image embeddings in place of their tokens' embeddings
+
+
+Embeddings = Callable[[str], "list[torch.Tensor] | None"]
 
 
 class ModelRunner:
+    """``embeddings(request_id)``: the embeddings of a request's images, one tensor
+    [tokens, hidden] per image (None when this engine has none for it)."""
+
     def __init__(
-        self, model: CausalLM, backend: AttentionBackend, sampler: Sampler, block_size: int
-    ) -> None:
+        self, model: CausalLM, backend: AttentionBackend, sampler: Sampler, block_size: int,
+        embeddings: Embeddings | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
         self.backend = backend
         self.sampler = sampler
         self.block_size = block_size
+        self.embeddings = embeddings or (lambda request_id: None)
         self.device = next(model.parameters()).device
         self.states: dict[str, _RowState] = {}
         self.graphs: DecodeGraphs | None = None
@@ -181,18 +208,19 @@ class ModelRunner:
         chunks = plan.chunks
         sample_ids = [c.request_id for c in chunks if c.sample]
         prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
-        if self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows):
+        offsets = [self.states[c.request_id].rope_offset(c.start_pos) for c in chunks]
+        if (self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows)
+                and None not in offsets):  # fmt: skip
             if not sample_ids:
                 return torch.empty(0), []
-            logits = self.graphs.run(chunks)
+            logits = self.graphs.run(chunks, offsets if any(offsets) else None)
             if len(sample_ids) == len(chunks):
                 return logits[: len(chunks)], sample_ids
             rows = [i for i, c in enumerate(chunks) if c.sample]
             return logits[_to_device(np.array(rows, dtype=np.int64), self.device)], sample_ids
         inputs = self.prepare(plan)
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
-        )
+        ctx = ForwardContext(inputs.meta, self.backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx, inputs.spliced)
         if any(prompt_rows):
             self._prompt_logprobs(chunks, prompt_rows, hidden)
         if not inputs.sample_ids:
@@ -244,6 +272,8 @@ class ModelRunner:
             outputs = list(new.output_token_ids)
             grammar = None if new.grammar is None else GrammarState.resume(new.grammar, outputs)
             state = _RowState(new, generator, outputs, grammar, prompt_sent=bool(outputs))
+            if new.media:
+                state.rope = self.model.rope_table(len(new.prompt_token_ids), new.media)
             self.states[new.request_id] = state
 
     def prepare(self, plan: StepPlan) -> StepInputs:
@@ -279,11 +309,55 @@ class ModelRunner:
             self.resolve_inputs(device_ids, input_ids, owners)
         return StepInputs(
             input_ids=device_ids,
-            positions=_to_device(positions.astype(np.int64), dev),
+            positions=_to_device(self._rope_positions(chunks, positions), dev),
             meta=meta,
             sample_rows=_to_device(cu[1:][sampled].astype(np.int64) - 1, dev),
             sample_ids=[chunks[i].request_id for i in sampled],
+            spliced=self._spliced(chunks),
         )
+
+    def _rope_positions(self, chunks: list[ScheduledChunk], index: np.ndarray) -> np.ndarray:
+        """The model's positions for the step's tokens (``index``: their token indices):
+        [T] when every token sits at its index + an offset, else [streams, T]."""
+        states = [self.states[c.request_id] for c in chunks]
+        offsets = [s.rope_offset(c.start_pos) for s, c in zip(states, chunks)]
+        if None not in offsets:
+            if not any(offsets):
+                return index.astype(np.int64)
+            lengths = [c.num_tokens for c in chunks]
+            return index + np.repeat(np.array(offsets, dtype=np.int64), lengths)
+        streams = next(s.rope.prompt.shape[0] for s in states if s.rope is not None)
+        parts = []
+        for state, c in zip(states, chunks):
+            if state.rope is not None:
+                parts.append(state.rope.positions(c.start_pos, c.end_pos))
+            else:
+                diagonal = np.arange(c.start_pos, c.end_pos)
+                parts.append(np.broadcast_to(diagonal, (streams, c.num_tokens)))
+        return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.int64)
+
+    def _spliced(self, chunks: list[ScheduledChunk]) -> Spliced | None:
+        """The image embeddings of the step's placeholder tokens, at their rows."""
+        rows, values = [], []
+        base = 0
+        for c in chunks:
+            media = self.states[c.request_id].new.media
+            wanted = [(i, m) for i, m in enumerate(media)
+                      if m.offset < c.end_pos and m.end > c.start_pos]  # fmt: skip
+            if wanted:
+                embeds = self.embeddings(c.request_id)
+                if embeds is None:
+                    raise RuntimeError(f"request {c.request_id}: its image tokens are to be "
+                                       "computed here, but this engine has no embeddings")
+                for i, m in wanted:
+                    first, last = max(m.offset, c.start_pos), min(m.end, c.end_pos)
+                    rows.append(np.arange(first, last) - c.start_pos + base)
+                    values.append(embeds[i][first - m.offset : last - m.offset])
+            base += c.num_tokens
+        if not rows:
+            return None
+        index = _to_device(np.concatenate(rows).astype(np.int64), self.device)
+        return Spliced(index, torch.cat(values).to(self.device))
 
 
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
