@@ -309,7 +309,8 @@ class EngineCore:
         """The ready message of a worker serving this engine as ``role``."""
         cache = self.config.cache
         return WorkerReady(role, cache.num_blocks, cache.block_size, self.max_model_len,
-                           self.model_name, self.hash_extra, endpoint)  # fmt: skip
+                           self.model_name, self.hash_extra, endpoint,
+                           self.media.encoder is not None)  # fmt: skip
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

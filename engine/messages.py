@@ -130,13 +130,14 @@ class EngineStats(msgspec.Struct, frozen=True):
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     """A worker is up: what it serves and how much room it has."""
 
-    role: str  # "engine" | "prefill" | "decode"
+    role: str  # "engine" | "prefill" | "decode" | "encode"
     num_blocks: int
     block_size: int
     max_model_len: int
     model_name: str
     hash_extra: bytes = b""  # what its block hashes mix in (the router's prefix index)
     endpoint: KVEndpoint | None = None  # where KV for it goes (a decode worker's receiver)
+    encodes_images: bool = False  # it runs a vision tower: send it the image files
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):

@@ -77,6 +77,8 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
             image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, Image.DecompressionBombWarning,
             Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:  # fmt: skip
+        if "truncated" in str(exc).lower():  # cut short before its header ended
+            raise ImageError(f"the image data is truncated or damaged ({_why(exc)})") from None
         raise ImageError(f"the data is not an image Pillow can read ({_why(exc)})") from None
     with image:
         if image.format not in FORMATS:
@@ -169,6 +171,15 @@ class ImageProcessor:
         out = self._processor(images=[i.pixels for i in images], return_tensors="np")
         grids = [tuple(int(v) for v in g) for g in out["image_grid_thw"]]
         return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), grids
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What a frontend needs to put images into a model's prompts: its image processor
+    and the placeholder token its chat template writes for an image."""
+
+    processor: ImageProcessor
+    image_token_id: int
 
 
 @dataclass(frozen=True)

@@ -112,10 +112,10 @@ def _qwen2_5_vl():
     from transformers import Qwen2_5_VLConfig
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                initializer_range=0.1, rope_parameters=rope, bos_token_id=None,
-                eos_token_id=VL_IDS["<|im_end|>"], tie_word_embeddings=False)
+    text = dict(vocab_size=256 + len(VL_SPECIAL), hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=2048, initializer_range=0.1, rope_parameters=rope,
+                bos_token_id=None, eos_token_id=VL_IDS["<|im_end|>"], tie_word_embeddings=False)
     # a window of 2 x 2 merged squares: images split into several windows, some partial
     vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
                   out_hidden_size=64, window_size=56, fullatt_block_indexes=[1],

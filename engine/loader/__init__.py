@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from engine.models.base import CausalLM
     from engine.models.qwen2_5_vl import VisionTransformer
-    from engine.vision import ImageProcessor
+    from engine.vision import ImageInputs, ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -253,18 +253,52 @@ class LoadedVision:
 def load_image_processor(spec: str) -> ImageProcessor | None:
     """The image processor of a vision-language model (its ``preprocessor_config.json``,
     or a dummy preset's settings); None for a text-only model."""
+    kind, path = _resolve(spec)
+    if kind == "gguf":  # text only; and a GGUF's frontend imports no torch
+        return None
     from engine.loader import dummy, hf
     from engine.vision import ImageProcessor
 
-    kind, path = _resolve(spec)
     if kind == "dummy":
         preset = spec[len(DUMMY_PREFIX) :]
         if dummy.dummy_config(preset).vision is None:
             return None
         return ImageProcessor(dummy.IMAGE_PROCESSORS[preset])
-    if kind == "gguf" or path is None or hf.hf_model_config(path, path.name).vision is None:
+    if path is None or hf.hf_model_config(path, path.name).vision is None:
         return None
     return ImageProcessor(hf.read_json(path / "preprocessor_config.json"))
+
+
+def has_vision(spec: str) -> bool:
+    """Whether the model has a vision tower (reads its config only; a GGUF has none)."""
+    kind, path = _resolve(spec)
+    if kind == "gguf":
+        return False
+    from engine.loader import dummy, hf
+
+    if kind == "dummy":
+        return dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).vision is not None
+    assert path is not None
+    return hf.hf_model_config(path, path.name).vision is not None
+
+
+def load_image_inputs(spec: str) -> ImageInputs | None:
+    """The image processor and placeholder token of a vision-language model (what a
+    frontend needs of it); None for a text-only model."""
+    processor = load_image_processor(spec)
+    if processor is None:
+        return None
+    from engine.loader import dummy, hf
+    from engine.vision import ImageInputs
+
+    kind, path = _resolve(spec)
+    if kind == "dummy":
+        config = dummy.dummy_config(spec[len(DUMMY_PREFIX) :])
+    else:
+        assert path is not None
+        config = hf.hf_model_config(path, path.name)
+    assert config.vision is not None
+    return ImageInputs(processor, config.vision.image_token_id)
 
 
 def load_vision_model(
@@ -306,6 +340,8 @@ __all__ = [
     "LoadedModel",
     "LoadedVision",
     "default_model_path",
+    "has_vision",
+    "load_image_inputs",
     "load_image_processor",
     "load_model",
     "load_model_config",
