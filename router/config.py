@@ -9,19 +9,22 @@ from engine.worker.config import TransferConfig
 
 @dataclass(frozen=True)
 class PDConfig:
-    """How many prefill and decode workers to spawn (more may join at runtime; with none,
-    all of them do), how KV moves between them (``transfer``, which the spawned workers
-    get), how each request's workers are chosen (``policy``: ``router.policies``) and the
-    Redis that frontends share workers and KV events through (``redis_url``)."""
+    """How many prefill, decode and encode workers to spawn (more may join at runtime;
+    with none, all of them do; no encode workers: the prefill workers encode images
+    themselves), how KV and image embeddings move between them (``transfer``, which the
+    spawned workers get), how each request's workers are chosen (``policy``:
+    ``router.policies``) and the Redis that frontends share workers and KV events through
+    (``redis_url``)."""
 
     num_prefill: int = 1
     num_decode: int = 1
+    num_encode: int = 0
     transfer: TransferConfig = field(default_factory=TransferConfig)
     policy: str = "cache_aware"
     redis_url: str = ""
 
     def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 0:
+        if min(self.num_prefill, self.num_decode, self.num_encode) < 0:
             raise ValueError("worker counts cannot be negative")
         from router.policies import POLICIES
 

@@ -1,4 +1,5 @@
-"""The frontend's prefill and decode pools: which workers there are, and their state.
+"""The frontend's prefill, decode and encode pools: which workers there are, and their
+state.
 
 Workers are spawned by this frontend (``start``), attached when they announce themselves
 (``add_worker``: ``POST /internal/workers``) or found in the Redis registry
@@ -8,7 +9,10 @@ that serves another model is turned away. Every message a worker sends passes th
 here first: its stats update the worker's load and health figures and its KV events
 feed the prefix index (unless Redis does), then the request protocol
 (``router.disagg``) gets what is about requests. A dead worker leaves rotation and the
-index before the protocol hears of it.
+index before the protocol hears of it. Encode workers (``encode.worker``) set none of the
+model facts, and count neither for the context length nor in the summed stats: they are
+checked to serve the model the others serve, and their block events (the embeddings they
+hold) feed the same index.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import zmq.asyncio
 from prometheus_client import Counter
 
 from decode.messages import CODEC as DECODE
+from encode.messages import CODEC as ENCODE
 from engine.config import EngineConfig
+from engine.media import EMBED_BLOCK_SIZE
 from engine.messages import EngineStats, stats_of
 from engine.worker.config import WorkerConfig
 from prefill.messages import CODEC as PREFILL
@@ -40,7 +46,11 @@ from router.workers import WorkerProcess
 
 log = logging.getLogger("ferry.router")
 
-ROLES = {"prefill": ("prefill.worker", PREFILL), "decode": ("decode.worker", DECODE)}
+ROLES = {
+    "prefill": ("prefill.worker", PREFILL),
+    "decode": ("decode.worker", DECODE),
+    "encode": ("encode.worker", ENCODE),
+}
 
 OnMessage = Callable[[WorkerProcess, msgspec.Struct], None]
 OnDeath = Callable[[WorkerProcess], None]
@@ -75,6 +85,8 @@ class WorkerPools:
         self.num_blocks = 0
         self.prefill: list[WorkerProcess] = []
         self.decode: list[WorkerProcess] = []
+        self.encode: list[WorkerProcess] = []
+        self.embed_block_size = EMBED_BLOCK_SIZE  # an encode worker's, once one is ready
         self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
@@ -84,12 +96,19 @@ class WorkerPools:
 
     @property
     def workers(self) -> list[WorkerProcess]:
+        return [*self.prefill, *self.decode, *self.encode]
+
+    @property
+    def engines(self) -> list[WorkerProcess]:
+        """The prefill and decode workers: those that run the language model."""
         return [*self.prefill, *self.decode]
+
+    def pool(self, role: str) -> list[WorkerProcess]:
+        return {"prefill": self.prefill, "decode": self.decode, "encode": self.encode}[role]
 
     def live(self, role: str, exclude: WorkerProcess | None = None) -> list[WorkerProcess]:
         """The workers of ``role`` that take new requests."""
-        pool = self.prefill if role == "prefill" else self.decode
-        return [w for w in pool if w.alive and not w.draining and w is not exclude]
+        return [w for w in self.pool(role) if w.alive and not w.draining and w is not exclude]
 
     # -- membership ----------------------------------------------------------------------
 
@@ -98,21 +117,23 @@ class WorkerPools:
         Redis registry, if there is one."""
         self.start_timeout = timeout
         pd = self.pd
-        roles = ["prefill"] * pd.num_prefill + ["decode"] * pd.num_decode
+        roles = (["prefill"] * pd.num_prefill + ["decode"] * pd.num_decode
+                 + ["encode"] * pd.num_encode)  # fmt: skip
         devices = worker_devices(self.config.device, len(roles))
-        counts = {"prefill": 0, "decode": 0}
+        counts = dict.fromkeys(ROLES, 0)
         started = []
         for role, device in zip(roles, devices):
             name = f"{role[0]}{counts[role]}"
             counts[role] += 1
             if pd.redis_url:  # registered for every frontend: the name must be unique
                 name = f"{self.frontend_id}/{name}"
-            config = WorkerConfig(role, self.config.replace(device=device), pd.transfer,
-                                  name=name, redis_url=pd.redis_url)  # fmt: skip
+            engine = self.config.replace(device=device, vision=self._encodes(role))
+            config = WorkerConfig(role, engine, pd.transfer, name=name,
+                                  redis_url=pd.redis_url)  # fmt: skip
             worker = self._handle(name, role)
             started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout,
                                         self._secret))  # fmt: skip
-            (self.prefill if role == "prefill" else self.decode).append(worker)
+            self.pool(role).append(worker)
         await asyncio.gather(*started)
         for worker in self.workers:
             self._enlist(worker)
@@ -120,6 +141,12 @@ class WorkerPools:
             self.directory = RedisDirectory(pd.redis_url, self._join, self.router.index.apply,
                                             self._set_draining)  # fmt: skip
             self._directory_task = asyncio.create_task(self.directory.run())
+
+    def _encodes(self, role: str) -> bool:
+        """Whether a spawned worker of ``role`` runs the vision tower: the encode workers;
+        the prefill workers when there are none (they encode their images themselves);
+        never the decode workers (they get the prompt's KV)."""
+        return role == "encode" or (role == "prefill" and self.pd.num_encode == 0)
 
     def _handle(self, name: str, role: str) -> WorkerProcess:
         return WorkerProcess(name, role, ROLES[role][1], self._ctx, self.frontend_id.encode(),
@@ -130,7 +157,7 @@ class WorkerPools:
         it takes requests once it is ready. A worker of the same name that is still
         alive is kept (a repeated registration); a dead one is replaced."""
         if role not in ROLES:
-            raise ValueError(f"a worker's role is prefill or decode, not {role!r}")
+            raise ValueError(f"a worker's role is one of {sorted(ROLES)}, not {role!r}")
         old = next((w for w in self.workers if w.name == name), None)
         if (old is not None and old.alive) or name in self._joining:
             return old
@@ -147,10 +174,10 @@ class WorkerPools:
         finally:
             self._joining.discard(name)
         if old is not None:
-            for group in (self.prefill, self.decode):
+            for group in (self.prefill, self.decode, self.encode):
                 if old in group:
                     group.remove(old)
-        (self.prefill if role == "prefill" else self.decode).append(worker)
+        self.pool(role).append(worker)
         self._enlist(worker)
         log.info("%s worker %s joined from %s", role, name, address)
         return worker
@@ -173,9 +200,12 @@ class WorkerPools:
                 w.draining = True
 
     def _enlist(self, worker: WorkerProcess) -> None:
-        """Take a ready worker into rotation: the first one sets the model facts."""
+        """Take a ready worker into rotation: the first prefill or decode worker sets the
+        model facts."""
         ready = worker.ready
-        if not self.facts_set:
+        if worker.role == "encode":
+            self.embed_block_size = ready.block_size
+        elif not self.facts_set:
             self.block_size = self.router.block_size = ready.block_size
             self.router.hash_extra = ready.hash_extra
             self.model_name = ready.model_name
@@ -186,6 +216,12 @@ class WorkerPools:
     def _refusal(self, worker: WorkerProcess) -> str | None:
         """Why a ready worker cannot join the workers in rotation, if it cannot."""
         ready = worker.ready
+        if worker.role == "encode" or ready.role == "encode":
+            if ready.role != worker.role:
+                return f"{worker.name} announced itself as {worker.role}, is {ready.role}"
+            if self.model_name and ready.model_name != self.model_name:
+                return f"{worker.name} encodes for {ready.model_name}, not {self.model_name}"
+            return None
         if self.facts_set and (ready.block_size, ready.hash_extra) != (
             self.block_size, self.router.hash_extra
         ):  # fmt: skip
@@ -193,8 +229,8 @@ class WorkerPools:
         return None
 
     def _sized(self) -> None:
-        """Context length and block count from the workers in rotation."""
-        live = [w for w in self.workers if w.alive and w.ready is not None]
+        """Context length and block count from the prefill and decode workers in rotation."""
+        live = [w for w in self.engines if w.alive and w.ready is not None]
         self.max_model_len = min((w.ready.max_model_len for w in live), default=0)
         self.num_blocks = sum(w.ready.num_blocks for w in live)
 
@@ -243,7 +279,7 @@ class WorkerPools:
             return
         module, config = dead.spec
         worker = self._handle(dead.name, dead.role)
-        pool = self.prefill if dead.role == "prefill" else self.decode
+        pool = self.pool(dead.role)
         try:
             await worker.spawn(module, config, self._tmp, self.start_timeout, self._secret)
         except Exception as exc:  # it failed to start: that is a death too
@@ -292,9 +328,10 @@ class WorkerPools:
 
     @property
     def stats(self) -> EngineStats:
-        """The live workers' latest stats, summed (what the single-engine metrics show)."""
+        """The live prefill and decode workers' latest stats, summed (what the
+        single-engine metrics show)."""
         total: dict[str, int] = {}
-        for s in (w.stats for w in self.workers if w.alive and w.stats is not None):
+        for s in (w.stats for w in self.engines if w.alive and w.stats is not None):
             for k, v in msgspec.structs.asdict(s).items():
                 total[k] = total.get(k, 0) + v
         return EngineStats(**total)

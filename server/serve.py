@@ -22,6 +22,13 @@ import socket
 import time
 from typing import Any
 
+from encode.inputs import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    MediaLimits,
+)
 from engine import envs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from engine.kv_cache.sizing import available_memory_bytes, host_tier_bytes
@@ -62,6 +69,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="prefill workers to start (more may join: ferry worker)")
     topo.add_argument("--decode", type=int, default=1, metavar="M",
                       help="decode workers to start (more may join: ferry worker)")
+    topo.add_argument("--encode", type=int, metavar="E",
+                      help="encode workers to start, which run the vision tower of a "
+                           "vision-language model (default: 1 for such a model, 0 for a "
+                           "text model; 0: the prefill workers encode images themselves)")
     add_transfer_flags(topo)
     topo.add_argument("--router-policy", choices=sorted(POLICIES), default="cache_aware",
                       help="how the prefill and the decode worker of a request are chosen")
@@ -98,7 +109,25 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                    help="Responses API: stored responses kept for previous_response_id")
     p.add_argument("--response-store-ttl", type=_at_least(0.0),
                    default=ServerConfig.response_store_ttl_s, metavar="S",
-                   help="Responses API: seconds a stored response is kept")  # fmt: skip
+                   help="Responses API: seconds a stored response is kept")
+    media = p.add_argument_group("images (vision-language models)")
+    media.add_argument("--max-image-mb", type=_at_least(1e-3),
+                       default=DEFAULT_MAX_IMAGE_BYTES / 2**20,
+                       help="largest image file accepted (decoded from its data URL, or "
+                            "fetched)")
+    media.add_argument("--max-image-pixels", type=_int_at_least(1),
+                       default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                       help="most pixels of one image (read from its header, before it "
+                            "is decoded)")
+    media.add_argument("--max-images-per-request", type=_int_at_least(1),
+                       default=DEFAULT_MAX_IMAGES, metavar="N")
+    media.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                       help="hosts (and their subdomains) whose http(s) image URLs are "
+                            "fetched; none by default: only data URLs are read, file:// "
+                            "never")
+    media.add_argument("--media-fetch-timeout", type=_at_least(1e-3),
+                       default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
+                       help="seconds fetching one image URL may take")  # fmt: skip
 
 
 def add_secret_flag(group: Any) -> None:
@@ -265,7 +294,7 @@ def host_tier_gb(args: argparse.Namespace) -> float:
         return args.host_kv_cache_gb
     workers = 1
     if not getattr(args, "aggregated", True):
-        workers = max(1, args.prefill + args.decode)
+        workers = max(1, args.prefill + args.decode + num_encode(args))
     return host_tier_bytes(available_memory_bytes(), workers) / 2**30
 
 
@@ -323,13 +352,26 @@ def kv_transport(args: argparse.Namespace) -> str:
     return "cuda_ipc" if _on_cuda(args) else "shm"
 
 
+def num_encode(args: argparse.Namespace) -> int:
+    """``--encode``, or 1 for a vision-language model and 0 for a text model."""
+    if args.encode is not None:
+        return args.encode
+    from engine.loader import has_vision
+
+    return 1 if has_vision(args.model) else 0
+
+
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
     """The disaggregated topology, or None with ``--aggregated``."""
     if args.aggregated:
+        if args.encode:
+            raise SystemExit("ferry: --encode needs the disaggregated topology (the "
+                             "--aggregated engine encodes its images itself)")  # fmt: skip
         return None
     return PDConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
+        num_encode=num_encode(args),
         transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
@@ -365,6 +407,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         drain_timeout_s=args.drain_timeout,
         internal_host=args.internal_host,
         internal_port=args.internal_port,
+        media=MediaLimits(
+            max_image_bytes=int(args.max_image_mb * 2**20),
+            max_image_pixels=args.max_image_pixels,
+            max_images=args.max_images_per_request,
+            allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
+            fetch_timeout_s=args.media_fetch_timeout,
+        ),
     )
 
 

@@ -1,4 +1,4 @@
-"""``ferry worker``: one prefill or decode worker, started on its own, that joins
+"""``ferry worker``: one prefill, decode or encode worker, started on its own, that joins
 frontends.
 
 The worker binds its channel (``--listen``, a ZMQ address frontends can reach), loads
@@ -35,8 +35,15 @@ _ANNOUNCE_RETRY_S = 1.0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("worker", help="run a prefill or decode worker that joins frontends")
-    p.add_argument("--role", choices=["prefill", "decode"], required=True)
+    p = subparsers.add_parser("worker", help="run a prefill, decode or encode worker that "
+                              "joins frontends")
+    p.add_argument("--role", choices=["prefill", "decode", "encode"], required=True,
+                   help="encode: a vision-language model's vision tower (its images' "
+                        "embeddings go to prefill workers); a prefill worker started here "
+                        "encodes images itself unless --no-vision says an encode pool does")
+    p.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill: run the vision tower here (default: yes for a "
+                        "vision-language model; --no-vision when encode workers do it)")
     p.add_argument("--listen", default="tcp://127.0.0.1:0",
                    help="ZMQ address to bind for frontends; port 0 picks a free one")
     p.add_argument("--name", help="unique worker name (default: <role>-<host>-<pid>)")
@@ -61,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as role
-    else:
+    elif args.role == "decode":
         from decode.worker import DecodeWorker as role
+    else:
+        from encode.worker import EncodeWorker as role
 
     logging.basicConfig(level=(args.log_level or envs.LOG_LEVEL.get()).upper(),
                         format=envs.LOG_FORMAT)  # fmt: skip
@@ -78,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on every interface (%s): any host that reaches it can try; "
                     "only frontends that prove the cluster secret are heard, and nothing on "
                     "the channel is encrypted", channel.address)  # fmt: skip
-    config = WorkerConfig(args.role, serve.engine_config(args), serve.transfer_config(args),
+    vision = args.role == "encode" or (args.role == "prefill" and args.vision is not False)
+    engine = serve.engine_config(args).replace(vision=vision)
+    config = WorkerConfig(args.role, engine, serve.transfer_config(args),
                           listen=channel.address, name=name, redis_url=args.redis or "")
     drain = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
