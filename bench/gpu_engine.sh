@@ -2,7 +2,7 @@
 # The GPU engine's checks and benchmark in one command on the H200 (bench/README.md, GPU).
 #
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_moe] [ds_step]
-#                       [ds_serve]
+#                       [ds_serve] [pd_ipc]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -11,7 +11,9 @@
 # benchmark of two decode points; for DeepSeek-V3-class models: the MLA and MoE kernels'
 # CUDA tests with the engine's MoE/MLA CUDA tests, their benchmark (bench/mla_moe_speed.py),
 # the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
-# two copies of its 74 GB do not fit one GPU).
+# two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
+# at the 8B shape (bench/pd_serving.py; lengths in words: 128 words is ~700 tokens of the dummy
+# models' byte tokenizer, 390 words ~2k).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -26,6 +28,8 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,nohead
 status=0
 for step in "$@"; do
   start=$(date +%s)
+  step_limit="LIMIT_$step"  # seconds a step may take: LIMIT_<step>, else STEP_TIMEOUT
+  LIMIT="timeout ${!step_limit:-${STEP_TIMEOUT:-3600}}"
   case $step in
     tests)
       python3 -m pytest -q -n 16 --noconftest -p no:cacheprovider tests/kernels -k "${KERNELS_K:-}" \
@@ -41,24 +45,30 @@ for step in "$@"; do
       python3 -m bench.gpu_engine --hf --commit "$COMMIT" --out "$OUT/gpu_engine.json" \
         2>&1 | tee "$OUT/bench.log" | grep -v Warning | tail -30 || status=1 ;;
     mla_moe_tests)
-      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
+      $LIMIT python3 -m pytest -q -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
         tests/kernels/test_mla_moe_references.py tests/engine/test_cuda_mla_moe_kernels.py \
         "tests/engine/test_cuda_graphs.py::test_cuda_graph_decode_of_moe_models_matches_eager" \
-        2>&1 | tee "$OUT/mla_moe_tests.log" | tail -25 || status=1 ;;
+        tests/kvstore/test_transport_cuda_ipc.py 2>&1 | tee -a "$OUT/steps.log" | tail -25 || status=1 ;;
     mla_moe)
-      python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
-        2>&1 | tee "$OUT/mla_moe.log" | grep -v Warning | tail -40 || status=1 ;;
+      $LIMIT python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
+        2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -40 || status=1 ;;
     ds_step)
-      python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
+      $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
         --eager-points 1x1024 --skinny-ab "" --prefill 4096 --engine-step "" --repeats 10 \
         --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l.json" \
-        2>&1 | tee "$OUT/ds_step.log" | grep -v Warning | tail -12 || status=1 ;;
+        2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
     ds_serve)
-      python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
+      $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
         --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
         --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l.json" \
-        2>&1 | tee "$OUT/ds_serve.log" | tail -8 || status=1 ;;
+        2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
+    pd_ipc)
+      $LIMIT python3 -m bench.pd_serving --model dummy:llama3-8b --topologies aggregated pd-ipc \
+        --workloads 128x256 390x128 --concurrency 1 16 64 --num-requests 4 32 128 \
+        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 16" \
+        --commit "$COMMIT" --out "$OUT/pd_ipc_h200.json" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -14 || status=1 ;;
     serve)
       python3 -m pytest -q -x -p no:cacheprovider tests/server/test_serve_cuda.py \
         2>&1 | tee "$OUT/serve.log" | tail -15 || status=1 ;;

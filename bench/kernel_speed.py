@@ -37,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info  # noqa: E402
+from kernels import activation as act  # noqa: E402
 from kernels import gemv as gv  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
 from kernels import moe  # noqa: E402
@@ -478,6 +479,7 @@ def _build(cfg) -> float:
         nrc.RopeConfig: nrc.build_rope_kernel,
         nrc.CacheWriteConfig: nrc.build_cache_write_kernel,
         gv.GemvConfig: gv.build_gemv_kernel,
+        act.SiluMulConfig: act.build_silu_mul_kernel,
         mla.MLADecodeConfig: mla.build_mla_decode_kernel,
         moe.GroupedGemmConfig: moe.build_grouped_gemm_kernel,
     }[type(cfg)]

@@ -37,7 +37,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -182,32 +181,14 @@ def routing(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights / weights.sum(-1, keepdim=True) * 2.5
 
 
-def grouped_mm_moe(x, ids, weights, w13, w2) -> torch.Tensor:
-    """torch's own grouped path: pairs sorted by expert, ``torch._grouped_mm`` per
-    projection over the experts' row offsets (no host synchronisation)."""
-    tokens, top_k = ids.shape
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
-    token_of = order // top_k
-    gate_up = torch._grouped_mm(x[token_of], w13.transpose(1, 2), offs=offs)
-    gate, up = gate_up.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token_of, y.float() * weights.flatten()[order, None])
-    return out.to(x.dtype)
-
-
 def _moe_variants(tokens: int, decode: bool) -> dict[str, Callable]:
     from engine.models.moe import moe_experts_dense, moe_experts_sorted
 
-    variants: dict[str, Callable] = {"kernel": moe.fused_moe}
+    variants: dict[str, Callable] = {"kernel": moe.fused_moe, "engine": moe.moe_experts_cuda}
     for bm in (16, 64, 128):
         if bm != moe.block_m_for(tokens * TOP_K, EXPERTS) and (decode or bm >= 64):
             variants[f"kernel_bm{bm}"] = partial(moe.fused_moe, block_m=bm)
-    variants["torch_grouped_mm"] = grouped_mm_moe
+    variants["torch_grouped_mm"] = moe.grouped_mm_moe
     variants["torch_sorted_loop"] = moe_experts_sorted
     if decode:
         variants["torch_every_expert"] = moe_experts_dense
@@ -290,7 +271,7 @@ def table(result: dict) -> str:
             f"{td.get('ms', math.nan) * 1e3:15.1f} {ratio}"
         )
     moe_rows = result.get("moe", {})
-    names = ["kernel", "torch_grouped_mm", "torch_sorted_loop", "torch_every_expert"]
+    names = ["kernel", "engine", "torch_grouped_mm", "torch_sorted_loop", "torch_every_expert"]
     lines.append("moe decode  tokens experts  floor-us   " + "  ".join(f"{n:>18}" for n in names))
     for r in moe_rows.get("decode", []):
         cells = []
@@ -301,10 +282,10 @@ def table(result: dict) -> str:
         floor = r["bytes"] / bw / 1e3
         lines.append(f"  {r['tokens']:>14} {r['experts_touched']:>7} {floor:9.0f}   "
                      + "  ".join(cells))  # fmt: skip
-    lines.append("moe prefill tokens        floor-ms   " + "  ".join(f"{n:>18}" for n in names[:3]))
+    lines.append("moe prefill tokens        floor-ms   " + "  ".join(f"{n:>18}" for n in names[:4]))
     for r in moe_rows.get("prefill", []):
         cells = []
-        for name in names[:3]:
+        for name in names[:4]:
             v = r["variants"].get(name, {})
             cells.append(f"{v['ms']:8.2f}ms {100 * v['TFLOPs'] / peak:4.0f}%" if "ms" in v
                          else f"{'-':>18}")  # fmt: skip

@@ -73,6 +73,16 @@ def bench_point(
     return json.loads(out.read_text())["summary"]
 
 
+def _line(label: str, s: dict) -> str:
+    """One load point's summary; the errors when no request completed."""
+    if not s["completed"]:
+        return f"{label}: every request failed: {s['errors']}"
+    prompt = s["total_prompt_tokens"] / s["completed"]
+    return (f"{label}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl p50 {s['itl_ms']['p50']:.1f} "
+            f"ms, output {s['output_throughput']:.0f} tok/s, prompt {prompt:.0f} tokens, "
+            f"failed {s['failed']}")  # fmt: skip
+
+
 def _commit(root: Path) -> str:
     out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)  # fmt: skip
@@ -127,21 +137,23 @@ def main(argv: list[str] | None = None) -> None:
                 for name, (_, url) in servers.items():
                     s = bench_point(url, c, n, lens, tmp / f"{name}-{topo}-{tag}c{c}.json")
                     results[name][topo][f"{tag}c{c}"] = s
-                    print(f"{name} {topo} {tag}c={c}: ttft p50 {s['ttft_ms']['p50']:.0f} ms, itl "
-                          f"p50 {s['itl_ms']['p50']:.1f} ms, output "
-                          f"{s['output_throughput']:.0f} tok/s, failed {s['failed']}",
-                          flush=True)  # fmt: skip
+                    print(_line(f"{name} {topo} {tag}c={c}", s), flush=True)
+                    _save(report, results, args)  # after every point: a cut run keeps them
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=60)
+    _save(report, results, args)
+    print(f"wrote {args.out}")
+
+
+def _save(report: dict, results: dict, args) -> None:
     if args.baseline is None:
         report["topologies"] = results["current"]
     else:
-        report.pop("topologies")
+        report.pop("topologies", None)
         report.update(results)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

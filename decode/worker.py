@@ -22,8 +22,9 @@ import time
 import msgspec
 
 from decode.messages import CODEC, DecodeRequest, KVFailed, KVReady, KVWanted
+from engine import logs
 from engine.core import EngineCore
-from engine.messages import Abort, RequestOutput, WorkerReady, WorkerStats
+from engine.messages import Abort, EngineRequest, RequestOutput, WorkerReady, WorkerStats
 from engine.pd_scheduler import DecodeScheduler
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole, main
@@ -66,11 +67,11 @@ class DecodeWorker(WorkerRole):
 
     # -- messages ---------------------------------------------------------------------------
 
-    def handle(self, msg: msgspec.Struct) -> str | None:
+    def handle(self, msg: msgspec.Struct) -> EngineRequest | None:
         self._touched = True  # the stats may have changed: report them
         if isinstance(msg, DecodeRequest):
             self._add(msg)
-            return msg.request_id
+            return msg.request
         if isinstance(msg, KVReady):
             self._kv_ready(msg.output)
         elif isinstance(msg, KVFailed):
@@ -152,7 +153,9 @@ class DecodeWorker(WorkerRole):
         now = time.time()
         for rid, limit in list(self.deadlines.items()):
             if now > limit:
-                log.warning("KV for %s did not arrive in time; freeing its blocks", rid)
+                req = self.sched.requests.get(rid)
+                log.warning("KV for %s did not arrive in time; freeing its blocks", rid,
+                            extra=logs.about(req.trace_id if req else ""))  # fmt: skip
                 self._touched = True
                 self._kv_failed(rid, "the prompt's KV did not arrive in time")
 

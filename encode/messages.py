@@ -26,6 +26,11 @@ class EncodeRequest(msgspec.Struct, tag=True, frozen=True):
     content_hash: bytes
     num_tokens: int
     destination: KVDestination
+    trace_id: str = ""  # the HTTP request it belongs to (``EngineRequest.trace_id``)
+
+    @property
+    def num_input_tokens(self) -> int:
+        return self.num_tokens
 
 
 class Encoded(msgspec.Struct, tag=True, frozen=True):

@@ -62,6 +62,7 @@ class EncodeWorker(WorkerRole):
         dtype = _DTYPES[engine.dtype]
         vision = load_vision_model(engine.model, engine.device, dtype, seed=engine.seed)
         self.model_name = vision.name
+        self.device = engine.device
         self.encoder = VisionEncoder(vision.tower, vision.processor, MAX_DECODE_PIXELS)
         self.fingerprint = f"{vision.config.fingerprint}:{vision.processor.key.decode()}"
         layout = embedding_layout(vision.config.vision.out_hidden_size, dtype)
@@ -81,8 +82,10 @@ class EncodeWorker(WorkerRole):
 
     def ready(self) -> WorkerReady:
         pool = self.cache.pool
+        layout = self.cache.kv.layout
         return WorkerReady(self.role, pool.num_blocks, self.cache.block_size, 0, self.model_name,
-                           self.cache.extra)  # fmt: skip
+                           self.cache.extra, device=self.device,
+                           kv_cache_bytes=pool.num_blocks * layout.bytes_per_block)  # fmt: skip
 
     @property
     def busy(self) -> bool:
@@ -94,7 +97,7 @@ class EncodeWorker(WorkerRole):
 
     # -- messages ---------------------------------------------------------------------------
 
-    def handle(self, msg: msgspec.Struct) -> str | None:
+    def handle(self, msg: msgspec.Struct) -> EncodeRequest | None:
         self._touched = True
         if isinstance(msg, Abort):
             dropped = set(msg.request_ids)
@@ -103,7 +106,7 @@ class EncodeWorker(WorkerRole):
                 self._fail(req, "aborted", aborted=True)
             return None
         self.queue.append(msg)
-        return msg.request_id
+        return msg
 
     def _fail(self, req: EncodeRequest, error: str, retry: bool = False,
               aborted: bool = False) -> None:  # fmt: skip

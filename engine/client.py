@@ -82,7 +82,8 @@ class ServingClient(Protocol):
     put images into a prompt (None: the model takes none); ``generate``'s ``media`` are
     the prompt's images, with their files. ``join`` starts attaching a worker
     that announced itself (the task ends once it is ready, or with why not) or raises
-    ``WorkerRefused`` at once. ``num_in_flight`` counts the requests being generated;
+    ``WorkerRefused`` at once. ``trace_id``: the HTTP request a generated request belongs
+    to, which the workers' log lines name. ``num_in_flight`` counts the requests being generated;
     ``stop_all`` ends every one of them with ``EngineDeadError(reason)`` (a server that
     is shutting down).
     """
@@ -104,8 +105,8 @@ class ServingClient(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        media: Sequence[MediaItem] = (),
-    ) -> AsyncIterator[RequestOutput]: ...
+        media: Sequence[MediaItem] = (), trace_id: str = "",
+    ) -> AsyncIterator[RequestOutput]: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -158,7 +159,7 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         await self._engine.shutdown()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # every socket closed, none left to wait for
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     @property
@@ -183,6 +184,7 @@ class EngineClient:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
         media: Sequence[MediaItem] = (),
+        trace_id: str = "",
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the engine's outputs for one request; the last has ``finish_reason``.
         Leaving early (break, cancellation) aborts the request in the engine. The engine
@@ -194,7 +196,7 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         self._engine.send(EngineRequest(request_id, prompt_token_ids, sampling, time.time(),
-                                        media=list(media)))  # fmt: skip
+                                        media=list(media), trace_id=trace_id))  # fmt: skip
         finished = False
         try:
             while not finished:

@@ -402,6 +402,19 @@ class CacheConfig:
     file_ttl_hours: float = 72.0
     file_mode: int = 0o600  # permission bits of block files: they hold what prompts computed
 
+    def tiers_summary(self) -> str:
+        """The tiers below the cache in one phrase, for start-up logs: ``host 0.47 GB, file
+        /var/kv (cap 20 GB, TTL 72 h)``, or ``none``."""
+        parts = []
+        if self.host_memory_gb > 0:
+            parts.append(f"host {self.host_memory_gb:.2f} GB")
+        if self.kv_dir:
+            parts.append(f"file {self.kv_dir} (cap {self.file_capacity_gb:g} GB, "
+                         f"TTL {self.file_ttl_hours:g} h)")  # fmt: skip
+        if not self.enable_prefix_caching or not parts:
+            return "none"
+        return ", ".join(parts)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

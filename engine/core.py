@@ -160,6 +160,7 @@ class EngineCore:
             hash_extra=extra,
             output_token_ids=list(msg.output_token_ids),
             media=tuple(msg.media),
+            trace_id=msg.trace_id,
         )
         if embeddings is not None:
             self.media.put(req.request_id, embeddings)
@@ -309,8 +310,9 @@ class EngineCore:
         """The ready message of a worker serving this engine as ``role``."""
         cache = self.config.cache
         return WorkerReady(role, cache.num_blocks, cache.block_size, self.max_model_len,
-                           self.model_name, self.hash_extra, endpoint,
-                           self.media.encoder is not None)  # fmt: skip
+                           self.model_name, self.hash_extra, endpoint, self.config.device,
+                           cache.num_blocks * self.kv_cache.layout.bytes_per_block,
+                           encodes_images=self.media.encoder is not None)  # fmt: skip
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -332,7 +334,7 @@ class EngineRole(WorkerRole):
     def ready(self) -> WorkerReady:
         return self.core.ready(self.role)
 
-    def handle(self, msg: msgspec.Struct) -> str | None:
+    def handle(self, msg: msgspec.Struct) -> EngineRequest | None:
         if isinstance(msg, Abort):
             self.core.abort(msg.request_ids)
             self._outbox.ended += msg.request_ids
@@ -340,7 +342,7 @@ class EngineRole(WorkerRole):
         err = self.core.add_request(msg)
         if err is not None:
             self._outbox.outputs.append(err)
-        return msg.request_id
+        return msg
 
     @property
     def busy(self) -> bool:

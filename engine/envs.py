@@ -40,12 +40,12 @@ CLUSTER_SECRET: EnvVar[str | None] = EnvVar(
     "the secret every frontend and worker of a deployment proves on the control plane",
 )
 LOG_LEVEL: EnvVar[str] = EnvVar("FERRY_LOG_LEVEL", str, "info", "log level of ferry's processes")
+LOG_FORMAT: EnvVar[str] = EnvVar(
+    "FERRY_LOG_FORMAT", str, "text", "log format of ferry's processes: text or json"
+)
 KV_DIR: EnvVar[str | None] = EnvVar(
     "FERRY_KV_DIR", str, None, "default of ferry serve --kv-dir (else ~/.cache/ferry/kv)"
 )
-
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # every ferry process's
 
 
 def user_cache_dir() -> str:
@@ -53,4 +53,6 @@ def user_cache_dir() -> str:
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
 
 
-REGISTRY = {v.name: v for v in (API_KEY, CLUSTER_SECRET, DEBUG_INTEGRITY, LOG_LEVEL, KV_DIR)}
+REGISTRY = {
+    v.name: v for v in (API_KEY, CLUSTER_SECRET, DEBUG_INTEGRITY, LOG_LEVEL, LOG_FORMAT, KV_DIR)
+}

@@ -58,6 +58,13 @@ class EngineRequest(msgspec.Struct, tag=True, frozen=True):
     # computed with the prompt, they count as output (max_tokens, penalties, grammar)
     output_token_ids: list[int] = []
     media: list[MediaItem] = []  # the prompt's images, by offset
+    # the HTTP request it belongs to (its x-request-id), which every worker's log lines
+    # about it name; "" when it came from no HTTP request
+    trace_id: str = ""
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
@@ -137,6 +144,8 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     model_name: str
     hash_extra: bytes = b""  # what its block hashes mix in (the router's prefix index)
     endpoint: KVEndpoint | None = None  # where KV for it goes (a decode worker's receiver)
+    device: str = ""  # where its engine runs (cpu, cuda:1)
+    kv_cache_bytes: int = 0  # the size of its KV cache
     encodes_images: bool = False  # it runs a vision tower: send it the image files
 
 

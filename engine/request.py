@@ -50,6 +50,7 @@ class Request:
     # trailing output tokens that are UNRESOLVED: their step is still running
     num_unresolved: int = 0
     media: tuple[MediaItem, ...] = ()
+    trace_id: str = ""  # the HTTP request it belongs to, for log lines (EngineRequest's)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -33,7 +33,6 @@ from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
 LOG2E = 1.4426950408889634
 NUM_SMS_H200 = 132
 BLOCK_H = 64  # heads per CTA: the smallest M of a Hopper warpgroup MMA
-MIN_SPLIT_TOKENS = 1024  # fewer per split and the float32 partials cost more than the latents
 
 
 @dataclass(frozen=True)
@@ -226,14 +225,15 @@ def _mla_decode_program(
 _KERNELS = KernelCache()
 
 
-def choose_num_splits(batch: int, num_heads: int, max_seq_len: int) -> int:
-    """Splits that fill about one wave of CTAs (one fits an SM), each over at least
-    ``MIN_SPLIT_TOKENS`` tokens; one split once the batch alone fills half the GPU."""
+def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, block_n: int = 64) -> int:
+    """As many splits as keep the grid within one wave (one CTA fits an SM): a second,
+    partial wave doubled the time (B=16 8k: 5 splits 227 µs, 4 splits 142 µs), while more
+    CTAs in the one wave win at small batch despite the float32 partials (B=1 8k: 64
+    splits 45 µs, 8 splits 82 µs; bench/results/mla_moe_h200.json). At most one split per
+    tile of ``block_n`` tokens, and 64."""
     ctas = batch * -(-num_heads // BLOCK_H)
-    if 2 * ctas >= NUM_SMS_H200:
-        return 1
-    wanted = math.ceil(NUM_SMS_H200 / ctas)
-    return int(max(1, min(wanted, max_seq_len // MIN_SPLIT_TOKENS, 64)))
+    tiles = max(1, math.ceil(max_seq_len / block_n))
+    return int(max(1, min(NUM_SMS_H200 // max(ctas, 1), tiles, 64)))
 
 
 def mla_decode_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
@@ -293,7 +293,7 @@ def mla_decode(
     )
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    splits = num_splits or choose_num_splits(batch, heads, max_seq_len)
+    splits = num_splits or choose_num_splits(batch, heads, max_seq_len, cfg.block_n)
     cfg = replace(cfg, combine=splits > 1)
     kernel = _KERNELS.get(cfg, lambda: build_mla_decode_kernel(cfg))
     lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)

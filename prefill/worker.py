@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from engine import logs
 from engine.core import EngineCore
 from engine.kv_cache.block_pool import Block
 from engine.media import EmbeddingInbox, blocks_for, embedding_layout
-from engine.messages import Abort, RequestOutput, WorkerReady, WorkerStats
+from engine.messages import Abort, EngineRequest, RequestOutput, WorkerReady, WorkerStats
 from engine.pd_scheduler import PREFILLED, PrefillScheduler
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole, main
@@ -69,6 +70,7 @@ class _Shipment:
     started: float | None = None  # wall clock when its prefill began computing
     outcome: RequestOutput | None = None  # the prefill's end, once it has ended
     failure: PrefillFailed | None = None  # set when no KV will be delivered
+    trace_id: str = ""  # the HTTP request it belongs to (log lines name it)
 
     @property
     def settled(self) -> bool:
@@ -131,7 +133,7 @@ class PrefillWorker(WorkerRole):
 
     # -- messages ---------------------------------------------------------------------------
 
-    def handle(self, msg: msgspec.Struct) -> str | None:
+    def handle(self, msg: msgspec.Struct) -> EngineRequest | None:
         self._stepped = True  # the stats may have changed: report them
         if isinstance(msg, Abort):
             for rid in msg.request_ids:
@@ -149,7 +151,7 @@ class PrefillWorker(WorkerRole):
             self.waits.add(msg)  # enters the engine once its embeddings are here
         else:
             self._add(msg)
-        return msg.request_id
+        return msg.request
 
     def _add(self, msg: PrefillRequest, embeddings: list[torch.Tensor] | None = None) -> None:
         request = msg.request
@@ -158,7 +160,8 @@ class PrefillWorker(WorkerRole):
             self._out.replies.append((PrefillFailed(request.request_id, err.error), True))
             return
         num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-        self.shipments[request.request_id] = _Shipment(msg.destination, num_tokens)
+        self.shipments[request.request_id] = _Shipment(msg.destination, num_tokens,
+                                                       trace_id=request.trace_id)  # fmt: skip
 
     def _abort(self, rid: str) -> None:
         if self.waits is not None and rid in self.waits:
@@ -282,7 +285,8 @@ class PrefillWorker(WorkerRole):
                     stats = job.result()
                 except Exception as exc:  # TransferError, or anything the backend raised
                     if ship.failure is None:
-                        log.warning("KV transfer of %s failed: %s", rid, exc)
+                        log.warning("KV transfer of %s failed: %s", rid, exc,
+                                    extra=logs.about(ship.trace_id))  # fmt: skip
                         failure = PrefillFailed(rid, f"KV transfer failed: {exc}", retry=True)
                         self._stop(rid, ship, failure)
                     continue

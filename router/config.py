@@ -13,8 +13,10 @@ class PDConfig:
     with none, all of them do; no encode workers: the prefill workers encode images
     themselves), how KV and image embeddings move between them (``transfer``, which the
     spawned workers get), how each request's workers are chosen (``policy``:
-    ``router.policies``) and the Redis that frontends share workers and KV events through
-    (``redis_url``)."""
+    ``router.policies``), the Redis that frontends share workers and KV events through
+    (``redis_url``), whether a spawned worker that dies or hangs is started again
+    (``restart_workers``), and how long a worker may go unheard (its heartbeat comes every
+    second, even mid-step) before it counts as hung (``silence_timeout_s``)."""
 
     num_prefill: int = 1
     num_decode: int = 1
@@ -22,10 +24,14 @@ class PDConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     policy: str = "cache_aware"
     redis_url: str = ""
+    restart_workers: bool = True
+    silence_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_encode) < 0:
             raise ValueError("worker counts cannot be negative")
+        if self.silence_timeout_s <= 0:
+            raise ValueError("the worker silence timeout must be positive")
         from router.policies import POLICIES
 
         if self.policy not in POLICIES:

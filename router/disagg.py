@@ -48,6 +48,7 @@ import msgspec
 
 from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
 from encode.messages import Encoded, EncodeFailed
+from engine import logs
 from engine.client import EngineDeadError, offer
 from engine.config import EngineConfig
 from engine.loader import load_image_inputs, load_tokenizer, model_name
@@ -86,6 +87,7 @@ class _Route:
     predicted_hit: int = 0  # tokens the index said the chosen workers hold
     seen_first: bool = False
     finished: bool = False  # its last output is in the queue
+    trace_id: str = ""  # the HTTP request it belongs to (the workers' log lines name it)
 
     @property
     def wire_id(self) -> str:
@@ -100,7 +102,8 @@ class _Route:
         ``files``: its images with their files (for a worker that encodes them)."""
         media = self.media if files else [m.without_data() for m in self.media]
         return EngineRequest(wire_id, self.prompt, self.sampling, self.arrival,
-                             output_token_ids=list(self.emitted), media=media)  # fmt: skip
+                             output_token_ids=list(self.emitted), media=media,
+                             trace_id=self.trace_id)  # fmt: skip
 
 
 @dataclass
@@ -131,8 +134,7 @@ class DisaggClient:
         self.router_metrics = self.router.metrics
         self.index = self.router.index
         self.pools = WorkerPools(config, pd, secret or auth.make_secret(), self.router,
-                                 self.transfers, self._received, self._died,
-                                 self._revived)  # fmt: skip
+                                 self.transfers, self)  # fmt: skip
         self.encoding = Encoding(self.pools, self.router, self.encode_metrics)
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
@@ -200,7 +202,7 @@ class DisaggClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        media: Sequence[MediaItem] = (),
+        media: Sequence[MediaItem] = (), trace_id: str = "",
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the request's outputs; the last has ``finish_reason``. Leaving early
         aborts it on every worker. ``media``: the prompt's images, with their files."""
@@ -213,7 +215,7 @@ class DisaggClient:
         hashes = self.router.hashes(prompt_token_ids, spans)
         decode = self._choose_decode(hashes, len(prompt_token_ids))
         route = _Route(request_id, prompt_token_ids, sampling, time.time(), hashes, decode,
-                       asyncio.Queue(), media)  # fmt: skip
+                       asyncio.Queue(), media, trace_id=trace_id)  # fmt: skip
         self._routes[request_id] = route
         self._dispatch(route)
         finished = False
@@ -279,7 +281,7 @@ class DisaggClient:
 
     # -- worker messages --------------------------------------------------------------------
 
-    def _received(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
+    def worker_message(self, worker: WorkerProcess, msg: msgspec.Struct) -> None:
         if isinstance(msg, Outputs):
             self._decoded(worker, msg.outputs)
         elif isinstance(msg, KVWanted):
@@ -288,7 +290,10 @@ class DisaggClient:
             self._prefilled(worker, msg)
         elif isinstance(msg, EmbeddingsWanted):
             route = self._wire.get(msg.request_id)
-            self.encoding.want(worker, msg, route.media if route is not None else None)
+            if route is None:
+                self.encoding.want(worker, msg, None)
+            else:
+                self.encoding.want(worker, msg, route.media, route.trace_id)
         elif isinstance(msg, Encoded | EncodeFailed):
             self.encoding.received(worker, msg)
 
@@ -405,7 +410,8 @@ class DisaggClient:
             transfer.decode.send(KVFailed(wid, error))
             return
         log.warning("prefill of %s on %s failed (%s); retrying elsewhere", wid,
-                    transfer.prefill.name, error)  # fmt: skip
+                    transfer.prefill.name, error,
+                    extra=logs.about(transfer.request.request.trace_id))  # fmt: skip
         self.router_metrics.retries.inc()
         route = self._wire.get(wid)
         hashes = route.hashes if route is not None else []
@@ -413,7 +419,7 @@ class DisaggClient:
 
     # -- deaths -------------------------------------------------------------------------------
 
-    def _died(self, worker: WorkerProcess) -> None:
+    def worker_gone(self, worker: WorkerProcess) -> None:
         """``worker`` died, or went silent: what it had moves elsewhere."""
         mine = [w for w, t in self._pending.items() if worker in (t.prefill, t.decode)]
         mine += [w for w, r in self._wire.items() if r.decode is worker]
@@ -427,7 +433,7 @@ class DisaggClient:
         else:
             self._prefill_died(worker)
 
-    def _revived(self, worker: WorkerProcess) -> None:
+    def worker_back(self, worker: WorkerProcess) -> None:
         """A silent worker answers again: stop what it still runs that moved elsewhere."""
         left = self._left.pop(worker.name, [])
         if left:
@@ -457,7 +463,8 @@ class DisaggClient:
             return
         route.hashes, route.decode = hashes, decode
         log.warning("%s: resuming %s on %s after %d tokens", why, route.request_id,
-                    route.decode.name, len(route.emitted))  # fmt: skip
+                    route.decode.name, len(route.emitted),
+                    extra=logs.about(route.trace_id))  # fmt: skip
         self.router_metrics.migrations.inc()
         route.attempt += 1
         self._dispatch(route)

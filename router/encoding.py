@@ -47,6 +47,7 @@ class _Image:
     destination: KVDestination
     transfer_id: str
     prefill: WorkerProcess
+    trace_id: str = ""  # the HTTP request it belongs to
     started: float = field(default_factory=time.perf_counter)
     encoder: WorkerProcess | None = None
     queued_tokens: int = 0
@@ -65,14 +66,15 @@ class Encoding:
         return len(self._images)
 
     def want(self, prefill: WorkerProcess, msg: EmbeddingsWanted,
-             media: Sequence[MediaItem] | None) -> None:  # fmt: skip
+             media: Sequence[MediaItem] | None, trace_id: str = "") -> None:  # fmt: skip
         """``prefill`` asks for the images of its request ``msg.request_id``; ``media``:
-        the request's images with their files (None: the client has left)."""
+        the request's images with their files (None: the client has left); ``trace_id``:
+        the HTTP request they belong to."""
         for i, (dest, tid) in enumerate(zip(msg.destinations, msg.transfer_ids)):
             if media is None or i >= len(media) or not media[i].data:
                 prefill.send(EmbeddingsFailed(msg.request_id, i, "the request is gone"))
                 continue
-            image = _Image(msg.request_id, i, media[i], dest, tid, prefill)
+            image = _Image(msg.request_id, i, media[i], dest, tid, prefill, trace_id)
             self._images[tid] = image
             self._dispatch(image)
 
@@ -95,7 +97,7 @@ class Encoding:
         worker.inflight += 1
         worker.queued_tokens += image.queued_tokens
         worker.send(EncodeRequest(image.transfer_id, item.data, item.content_hash, item.length,
-                                  image.destination))  # fmt: skip
+                                  image.destination, image.trace_id))  # fmt: skip
 
     def received(self, worker: WorkerProcess, msg: Encoded | EncodeFailed) -> None:
         image = self._images.get(msg.request_id)

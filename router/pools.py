@@ -25,7 +25,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import zmq.asyncio
@@ -52,8 +52,18 @@ ROLES = {
     "encode": ("encode.worker", ENCODE),
 }
 
-OnMessage = Callable[[WorkerProcess, msgspec.Struct], None]
-OnDeath = Callable[[WorkerProcess], None]
+
+class PoolEvents(Protocol):
+    """What the request protocol (``router.disagg``) hears from the pools: each message
+    about requests (stats are taken in here first), a worker's death or silence (what it
+    had must move elsewhere), and a silent worker answering again."""
+
+    def worker_message(self, worker: WorkerProcess, msg: msgspec.Struct) -> None: ...
+
+    def worker_gone(self, worker: WorkerProcess) -> None: ...
+
+    def worker_back(self, worker: WorkerProcess) -> None: ...
+
 
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)  # then a spawned worker is given up on
 RESTART_WINDOW_S = 600.0  # restarts longer ago than this are forgotten
@@ -62,20 +72,18 @@ RESTART_WINDOW_S = 600.0  # restarts longer ago than this are forgotten
 class WorkerPools:
     def __init__(
         self, config: EngineConfig, pd: PDConfig, secret: str, router: Router,
-        transfers: TransferMetrics, on_message: OnMessage, on_death: OnDeath,
-        on_revive: OnDeath,
+        transfers: TransferMetrics, events: PoolEvents,
     ) -> None:  # fmt: skip
         self.config = config
         self.pd = pd
         self._secret = secret
         self.router = router
         self.transfers = transfers
-        self._on_message = on_message
-        self._on_death = on_death
-        self._on_revive = on_revive
+        self._events = events
         self._restarts: dict[str, list[float]] = {}  # name -> when it was restarted
         self.start_timeout = 900.0
         self._closing = False
+        self._restarting: set[asyncio.Task] = set()
         self.restarts = Counter("ferry_worker_restarts", "Spawned workers restarted after "
                                 "they died or hung", ["role"], registry=None)  # fmt: skip
         self.model_name = ""
@@ -149,8 +157,10 @@ class WorkerPools:
         return role == "encode" or (role == "prefill" and self.pd.num_encode == 0)
 
     def _handle(self, name: str, role: str) -> WorkerProcess:
-        return WorkerProcess(name, role, ROLES[role][1], self._ctx, self.frontend_id.encode(),
-                             self._secret)  # fmt: skip
+        worker = WorkerProcess(name, role, ROLES[role][1], self._ctx,
+                               self.frontend_id.encode(), self._secret)  # fmt: skip
+        worker.silence_timeout_s = self.pd.silence_timeout_s
+        return worker
 
     async def add_worker(self, name: str, role: str, address: str, timeout: float = 900.0):
         """Attach a worker started elsewhere (``ferry worker``) listening on ``address``;
@@ -242,24 +252,26 @@ class WorkerPools:
             for e in stats.events:
                 self.transfers.kv_events.labels(worker.role, e.kind).inc()
         if stats is not msg:
-            self._on_message(worker, msg)
+            self._events.worker_message(worker, msg)
 
     def _died(self, worker: WorkerProcess) -> None:
         self.router.index.remove_worker(worker.name)
         self._sized()
-        self._on_death(worker)
-        if worker.spec is not None and not self._closing:
-            asyncio.create_task(self._restart(worker))
+        self._events.worker_gone(worker)
+        if worker.spec is not None and self.pd.restart_workers and not self._closing:
+            task = asyncio.create_task(self._restart(worker))
+            self._restarting.add(task)
+            task.add_done_callback(self._restarting.discard)
 
     def _silenced(self, worker: WorkerProcess) -> None:
         """A joined worker went silent: out of rotation (its requests move) until heard."""
         self.router.index.remove_worker(worker.name)
         self._sized()
-        self._on_death(worker)
+        self._events.worker_gone(worker)
 
     def _revived(self, worker: WorkerProcess) -> None:
         self._sized()
-        self._on_revive(worker)
+        self._events.worker_back(worker)
 
     async def _restart(self, dead: WorkerProcess) -> None:
         """Start a dead spawned worker again in its place, after a back-off; give up after
@@ -282,6 +294,9 @@ class WorkerPools:
         pool = self.pool(dead.role)
         try:
             await worker.spawn(module, config, self._tmp, self.start_timeout, self._secret)
+        except asyncio.CancelledError:  # the frontend is shutting down meanwhile
+            await worker.shutdown()
+            raise
         except Exception as exc:  # it failed to start: that is a death too
             log.error("%s did not restart: %s", dead.label, exc)
             await worker.shutdown()
@@ -303,12 +318,15 @@ class WorkerPools:
 
     async def shutdown(self) -> None:
         self._closing = True
+        for task in list(self._restarting):
+            task.cancel()
+        await asyncio.gather(*self._restarting, return_exceptions=True)
         if self._directory_task is not None:
             self._directory_task.cancel()
             await asyncio.gather(self._directory_task, return_exceptions=True)
             await self.directory.close()
         await asyncio.gather(*(w.shutdown() for w in self.workers), return_exceptions=True)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # every socket closed, none left to wait for
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     # -- state -----------------------------------------------------------------------------
@@ -342,8 +360,9 @@ class WorkerPools:
 
 def worker_devices(device: str, count: int) -> list[str]:
     """One device per worker: a bare ``cuda`` spreads the workers over the visible GPUs in
-    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all."""
-    if device != "cuda":
+    turn (prefill workers first); anything else (``cpu``, ``cuda:1``) is used by all. A
+    frontend that starts no workers needs no GPU."""
+    if device != "cuda" or count == 0:
         return [device] * count
     import torch
 

@@ -1,7 +1,9 @@
 """The FastAPI application: routes, auth, request metrics and the engine's lifespan.
 
-``create_app(config, client)`` returns an app whose lifespan starts the engine client
-(``await client.start()``) and shuts it down on exit. Routes:
+``create_app(config, client)`` returns an app for a started engine client (``await
+client.start()``: ``server.serve`` starts it before the app, so that an engine that
+cannot start is one line, not a traceback); its lifespan shuts the client down on exit.
+Routes:
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 - ``POST /v1/responses`` (JSON or typed SSE events; ``server.responses``), ``GET`` and
@@ -13,7 +15,8 @@
 - ``GET /openapi.json``: the public routes with their request bodies (``server.openapi``).
 
 Workers do not come here: the control plane has a listener of its own
-(``server.control``).
+(``server.control``). Every response carries ``x-request-id``, and every request gets one
+access-log line (``server.access``).
 
 A non-streaming request whose client disconnects is cancelled, which aborts its engine
 requests; a streaming one is cancelled by Starlette when the client goes away.
@@ -36,6 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.client import ServingClient
 from server import errors, openapi, responses
+from server.access import AccessLogMiddleware
 from server.body import parse_body as parse_json_body
 from server.config import ServerConfig
 from server.metrics import CONTENT_TYPE, Metrics
@@ -69,7 +73,6 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await client.start()
         name = config.served_model_name or client.model_name
         app.state.serving = Serving(client, metrics, name, config)
         try:
@@ -90,7 +93,8 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     openapi.install(app, REQUEST_BODIES)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # counts 401s too
+    app.add_middleware(AccessLogMiddleware)  # outermost: every request has its id and line
     return app
 
 

@@ -40,7 +40,6 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None
-    log_level: str = "info"
     drain_timeout_s: float = 30.0
     max_body_mb: float = DEFAULT_MAX_BODY_MB
     max_tokens_limit: int | None = None

@@ -4,10 +4,13 @@ By default the frontend runs one prefill and one decode worker process and moves
 between them (``--prefill N --decode M``, ``--kv-transport``); ``--aggregated`` runs one
 engine process that does both.
 
-Flags build a frozen ``EngineConfig`` and ``ServerConfig``; uvicorn runs the app, whose
-lifespan starts the engine and stops it on SIGINT/SIGTERM. When the socket is bound
-one line goes to stdout: ``ferry: serving <model> on http://<host>:<port>`` (the real
-port, also with ``--port 0``).
+Flags (and a topology file, ``--config``: ``server.topology``) build a frozen
+``EngineConfig``, ``PDConfig`` and ``ServerConfig``. Before anything starts, the model
+is checked and the ports are bound, so a bad ``--model`` or a taken port is one line at
+once. Then the engines start — each worker says what runs where when it is ready — and
+uvicorn serves the app until SIGINT/SIGTERM. Once it serves, stdout says ``ferry: serving
+<model> on http://<host>:<port>`` (the real port, also with ``--port 0``), ``ferry:
+control plane on <url>`` and whether it is ready (``engine.logs.announce``).
 """
 
 from __future__ import annotations
@@ -29,14 +32,16 @@ from encode.inputs import (
     DEFAULT_MAX_IMAGES,
     MediaLimits,
 )
-from engine import envs
+from engine import envs, logs
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, StructuredOutputConfig
 from engine.kv_cache.sizing import available_memory_bytes, host_tier_bytes
+from engine.logs import FORMATS, LogConfig
 from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.policies import POLICIES
 from server.body import DEFAULT_MAX_BODY_MB
 from server.config import MAX_TOKENS_DEFAULT, ServerConfig
+from server.topology import section
 
 # The decode kernel reads a 128-token block as one tile; 16-token blocks run it 2.3x
 # slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
@@ -48,40 +53,80 @@ CPU_MAX_MODEL_LEN = 2048
 log = logging.getLogger("ferry.server")
 
 
+USAGE = "%(prog)s [--config FILE] [--model PATH|default|dummy:PRESET] [options]"
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API")
+    p = subparsers.add_parser("serve", help="serve a model over the OpenAI API", usage=USAGE,
+                              description="Serve a model over the OpenAI API: the HTTP "
+                              "frontend and the workers behind it.")  # fmt: skip
+    add_config_flag(p)
     add_engine_flags(p)
-    p.add_argument("--served-model-name", help="model id clients see (default: from the model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--api-key", help=f"require this bearer key on /v1/* (or ${envs.API_KEY.name})")
-    add_api_flags(p)
-    control = p.add_argument_group("control plane (workers, not clients, use it)")
+    section(p, "model").add_argument(
+        "--served-model-name", help="model id clients see (default: the file or folder name)"
+    )
+    api = section(p, "server", "the HTTP API")
+    api.add_argument("--host", default=ServerConfig.host, help="address to listen on")
+    api.add_argument("--port", type=int, default=ServerConfig.port, help="0 picks a free port")
+    api.add_argument("--api-key", help=f"require this bearer key on /v1/* (or "
+                     f"${envs.API_KEY.name}; default: none)")  # fmt: skip
+    add_api_flags(api)
+    add_media_flags(section(p, "images", "what a request's images may be (vision-language "
+                            "models)"))
+    control = section(p, "control", "the control plane (workers, not clients, use it)")
     control.add_argument("--internal-host", default=ServerConfig.internal_host,
                          help="address of the listener workers announce themselves to")
     control.add_argument("--internal-port", type=int,
                          help="its port (default: --port + 1; a free one with --port 0)")
     add_secret_flag(control)
-    topo = p.add_argument_group("topology (default: 1 prefill + 1 decode worker)")
-    topo.add_argument("--aggregated", action="store_true",
-                      help="one engine process does prefill and decode (no KV transfer)")
-    topo.add_argument("--prefill", type=int, default=1, metavar="N",
-                      help="prefill workers to start (more may join: ferry worker)")
-    topo.add_argument("--decode", type=int, default=1, metavar="M",
-                      help="decode workers to start (more may join: ferry worker)")
-    topo.add_argument("--encode", type=int, metavar="E",
-                      help="encode workers to start, which run the vision tower of a "
-                           "vision-language model (default: 1 for such a model, 0 for a "
-                           "text model; 0: the prefill workers encode images themselves)")
-    add_transfer_flags(topo)
-    topo.add_argument("--router-policy", choices=sorted(POLICIES), default="cache_aware",
-                      help="how the prefill and the decode worker of a request are chosen")
-    topo.add_argument("--redis", metavar="URL",
-                      help="share workers and KV events with other frontends through Redis")
+    control.add_argument("--redis", metavar="URL", help="share workers and KV events with "
+                         "other frontends through Redis (default: none)")  # fmt: skip
+    pools = section(p, "pools", "the workers this frontend starts (default: 1 prefill + 1 decode)")
+    pools.add_argument("--aggregated", action="store_true",
+                       help="one engine process does prefill and decode (no KV transfer)")
+    pools.add_argument("--prefill", type=int, default=PDConfig.num_prefill, metavar="N",
+                       help="prefill workers to start (more may join: ferry worker)")
+    pools.add_argument("--decode", type=int, default=PDConfig.num_decode, metavar="M",
+                       help="decode workers to start (more may join: ferry worker)")
+    pools.add_argument("--encode", type=int, metavar="E",
+                       help="encode workers to start, which run the vision tower of a "
+                            "vision-language model (default: 1 for such a model, 0 for a "
+                            "text model; 0: the prefill workers encode images themselves)")
+    pools.add_argument("--router-policy", choices=sorted(POLICIES), default=PDConfig.policy,
+                       help="how the prefill and the decode worker of a request are chosen")
+    add_transfer_flags(section(p, "transfer", "how KV moves from prefill to decode workers"))
+    pools.add_argument("--restart-workers", action=argparse.BooleanOptionalAction,
+                       default=PDConfig.restart_workers,
+                       help="start a worker this frontend spawned again when it dies or hangs")
+    pools.add_argument("--worker-silence-timeout", type=float, metavar="S",
+                       default=PDConfig.silence_timeout_s,
+                       help="a worker unheard this long is hung: a spawned one is killed (and "
+                       "restarted), one that joined is out of rotation until heard again")
     return p  # fmt: skip
 
 
-def add_api_flags(p: argparse.ArgumentParser) -> None:
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="a topology file (YAML): its sections are "
+                   "the option groups below, its keys their flags without the dashes; flags "
+                   "given on the command line override it (server.topology)")  # fmt: skip
+
+
+def add_log_flags(group: Any) -> None:
+    group.add_argument("--log-level", help=f"debug, info, warning, ... (default: "
+                       f"${envs.LOG_LEVEL.name} or {envs.LOG_LEVEL.default})")  # fmt: skip
+    group.add_argument("--log-format", choices=FORMATS,
+                       help="text for people, json for log collectors (one object per line), "
+                            "for this process and the workers it starts (default: "
+                            f"${envs.LOG_FORMAT.name} or {envs.LOG_FORMAT.default})")  # fmt: skip
+
+
+def log_config(args: argparse.Namespace) -> LogConfig:
+    """``--log-level`` / ``--log-format``, else their environment variables."""
+    level = (args.log_level or envs.LOG_LEVEL.get()).lower()
+    return LogConfig(level, (args.log_format or envs.LOG_FORMAT.get()).lower())
+
+
+def add_api_flags(p: Any) -> None:
     """What the HTTP API takes and what it does when a request leaves a value open
     (``ServerConfig``)."""
     p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
@@ -109,25 +154,23 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
                    help="Responses API: stored responses kept for previous_response_id")
     p.add_argument("--response-store-ttl", type=_at_least(0.0),
                    default=ServerConfig.response_store_ttl_s, metavar="S",
-                   help="Responses API: seconds a stored response is kept")
-    media = p.add_argument_group("images (vision-language models)")
-    media.add_argument("--max-image-mb", type=_at_least(1e-3),
-                       default=DEFAULT_MAX_IMAGE_BYTES / 2**20,
-                       help="largest image file accepted (decoded from its data URL, or "
-                            "fetched)")
-    media.add_argument("--max-image-pixels", type=_int_at_least(1),
-                       default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
-                       help="most pixels of one image (read from its header, before it "
-                            "is decoded)")
-    media.add_argument("--max-images-per-request", type=_int_at_least(1),
-                       default=DEFAULT_MAX_IMAGES, metavar="N")
-    media.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
-                       help="hosts (and their subdomains) whose http(s) image URLs are "
-                            "fetched; none by default: only data URLs are read, file:// "
-                            "never")
-    media.add_argument("--media-fetch-timeout", type=_at_least(1e-3),
-                       default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
-                       help="seconds fetching one image URL may take")  # fmt: skip
+                   help="Responses API: seconds a stored response is kept")  # fmt: skip
+
+
+def add_media_flags(p: Any) -> None:
+    """What a request's images may be (``encode.inputs.MediaLimits``)."""
+    p.add_argument("--max-image-mb", type=_at_least(1e-3), default=DEFAULT_MAX_IMAGE_BYTES / 2**20,
+                   help="largest image file accepted (decoded from its data URL, or fetched)")
+    p.add_argument("--max-image-pixels", type=_int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
+                   metavar="N", help="most pixels of one image (read from its header, before "
+                   "it is decoded)")
+    p.add_argument("--max-images-per-request", type=_int_at_least(1), default=DEFAULT_MAX_IMAGES,
+                   metavar="N", help="most images in one request, over all its messages")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="hosts (and their subdomains) whose http(s) image URLs are fetched; "
+                   "none by default: only data URLs are read, file:// never")
+    p.add_argument("--media-fetch-timeout", type=_at_least(1e-3), default=DEFAULT_FETCH_TIMEOUT_S,
+                   metavar="S", help="seconds fetching one image URL may take")  # fmt: skip
 
 
 def add_secret_flag(group: Any) -> None:
@@ -155,9 +198,10 @@ def cluster_secret(args: argparse.Namespace, needs_shared: str | None = None) ->
 def add_transfer_flags(group: Any) -> None:
     """How KV moves between workers: a frontend passes these to the workers it starts; a
     worker started on its own (``ferry worker``) takes them itself."""
-    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl"],
+    group.add_argument("--kv-transport", choices=["shm", "tcp", "nccl", "cuda_ipc"],
                        help="how KV moves from prefill to decode workers (default: shm on "
-                            "the CPU, tcp on CUDA; nccl between workers on different GPUs)")
+                            "the CPU; on CUDA cuda_ipc when the workers share a GPU, nccl "
+                            "when they are spread over several; tcp across hosts)")
     group.add_argument("--local-prefill-tokens", type=int,
                        default=TransferConfig.local_prefill_tokens,
                        help="a decode worker prefills a prompt itself when at most this many "
@@ -170,43 +214,50 @@ def add_transfer_flags(group: Any) -> None:
                        help="seconds a prompt may wait for a prefill worker to start it "
                             "(its decode worker holds blocks for it meanwhile)")
     group.add_argument("--kv-host", default=TransferConfig.kv_host,
-                       help="address the KV receivers of decode workers bind")
-    # fmt: skip
+                       help="address the KV receivers of decode workers bind")  # fmt: skip
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that make an ``EngineConfig`` (``engine_config``)."""
-    p.add_argument(
-        "--model",
-        default="default",
-        help="GGUF file, HF folder, 'default' (SmolLM2-135M) or 'dummy:<preset>'",
-    )
-    p.add_argument("--max-model-len", type=int,
-                   help=f"context length (default: the model's; at most {CPU_MAX_MODEL_LEN} "
-                        "on the CPU)")  # fmt: skip
-    p.add_argument("--block-size", type=int,
-                   help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE} on CUDA, "
-                   f"{CacheConfig.block_size} on the CPU)")
-    p.add_argument("--kv-cache-memory-gb", type=float,
-                   help="memory for each worker's KV cache (default: two contexts of "
-                        "--max-model-len, at most 1)")  # fmt: skip
-    p.add_argument("--max-num-seqs", type=int, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step")
-    p.add_argument("--seed", type=int, help="engine seed for unseeded requests")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--device", help="cpu or cuda[:i]")
-    p.add_argument("--dtype", help="float32, bfloat16 or float16")
-    p.add_argument("--cpu-weights", choices=["auto", "fp32", "int8", "int4"],
-                   help="CPU matrices: int4 (4-bit projections, 8-bit embeddings; a GGUF's "
-                        "own blocks), int8, or fp32 (default auto: int4 for GGUF)")  # fmt: skip
-    p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan each step while the previous one runs (default: on CUDA)")
-    p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="CUDA: no decode CUDA graphs, run every step eagerly")  # fmt: skip
-    p.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars (LRU)")
-    p.add_argument("--grammar-compile-threads", type=int, help="threads compiling grammars")
-    p.add_argument("--log-level", default=None, help=f"default: ${envs.LOG_LEVEL.name} or info")
-    tiers = p.add_argument_group("KV tiers below each worker's KV cache")
+def add_engine_flags(p: Any) -> None:
+    """The flags that make an ``EngineConfig`` (``engine_config``), and the log flags."""
+    model = section(p, "model", "the model and where it runs")
+    model.add_argument("--model", default=EngineConfig.model, metavar="PATH",
+                       help="a GGUF file, a Hugging Face folder, dummy:<preset> (random weights "
+                            "at a real shape) or 'default', SmolLM2-135M-Instruct as setup.sh "
+                            "installs it (default: %(default)s)")
+    model.add_argument("--device", help=f"cpu or cuda[:i] (default: {EngineConfig.device})")
+    model.add_argument("--dtype", help="float32, bfloat16 or float16 (default: "
+                       f"{EngineConfig.dtype})")
+    model.add_argument("--max-model-len", type=int,
+                       help=f"context length (default: the model's; at most {CPU_MAX_MODEL_LEN} "
+                            "on the CPU)")
+    model.add_argument("--cpu-weights", choices=["auto", "fp32", "int8", "int4"],
+                       help="CPU matrices: int4 (4-bit projections, 8-bit embeddings; a GGUF's "
+                            "own blocks), int8, or fp32 (default: auto, int4 for GGUF)")
+    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    model.add_argument("--seed", type=int, help="engine seed for unseeded requests (default: "
+                       f"{EngineConfig.seed})")
+    engine = section(p, "engine", "batching, the KV cache and kernels")
+    engine.add_argument("--block-size", type=int,
+                        help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE} on CUDA, "
+                        f"{CacheConfig.block_size} on the CPU)")
+    engine.add_argument("--kv-cache-memory-gb", type=float,
+                        help="memory for each worker's KV cache (default: two contexts of "
+                             "--max-model-len, at most 1)")
+    engine.add_argument("--max-num-seqs", type=int, help="most sequences in one batch "
+                        f"(default: {SchedulerConfig.max_num_seqs})")
+    engine.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step "
+                        f"(default: {SchedulerConfig.max_num_batched_tokens})")
+    engine.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="plan each step while the previous one runs "
+                        "(default: on CUDA)")
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="CUDA: no decode CUDA graphs, run every step eagerly")
+    engine.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars, LRU "
+                        f"(default: {StructuredOutputConfig.grammar_cache_mb})")
+    engine.add_argument("--grammar-compile-threads", type=int, help="threads compiling "
+                        f"grammars (default: {StructuredOutputConfig.compile_threads})")
+    add_log_flags(section(p, "log", "what this process and its workers log"))
+    tiers = section(p, "tiers", "KV tiers below each worker's KV cache")
     tiers.add_argument("--kv-tiers", type=_tier_list,
                        help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
                             "host,file on the CPU; host on CUDA, and file too with --kv-dir)")
@@ -216,13 +267,15 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                             "workers started, at most 4)")
     tiers.add_argument("--kv-dir", help="file tier directory, shared by every worker of the "
                        f"machine (default: ${envs.KV_DIR.name} or ~/.cache/ferry/kv)")
-    tiers.add_argument("--kv-file-capacity-gb", type=_at_least(1e-6), default=20.0,
+    tiers.add_argument("--kv-file-capacity-gb", type=_at_least(1e-6),
+                       default=CacheConfig.file_capacity_gb,
                        help="most bytes of KV files; least recently used go first")
-    tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6), default=72.0,
-                       help="a KV file unused this long is removed")
-    tiers.add_argument("--kv-file-mode", type=_file_mode, default=0o600, metavar="OCTAL",
-                       help="permission bits of KV block files, which hold what prompts "
-                            "computed (default: 600, the owner only)")
+    tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6),
+                       default=CacheConfig.file_ttl_hours, help="a KV file unused this long "
+                       "is removed")
+    tiers.add_argument("--kv-file-mode", type=_file_mode, default=CacheConfig.file_mode,
+                       metavar="OCTAL", help="permission bits of KV block files, which hold "
+                       "what prompts computed (default: 600, the owner only)")
     # fmt: skip
 
 
@@ -344,12 +397,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def kv_transport(args: argparse.Namespace) -> str:
-    """``--kv-transport``, or the one for the device: shm between CPU caches; cuda_ipc on
-    CUDA, where every worker ``ferry serve`` starts shares the one ``--device`` (device to
-    device, no host staging). Workers on other hosts need tcp, on other GPUs nccl."""
+    """``--kv-transport``, or the one for the device: shm between CPU caches; on CUDA
+    cuda_ipc (device to device, no host staging) when the workers share one GPU — a
+    ``--device cuda:N``, or one GPU visible — and nccl when a bare ``--device cuda``
+    spreads them over several (``router.pools.worker_devices``). Workers on other hosts
+    need ``--kv-transport tcp``."""
     if args.kv_transport:
         return args.kv_transport
-    return "cuda_ipc" if _on_cuda(args) else "shm"
+    if not _on_cuda(args):
+        return "shm"
+    if args.device != "cuda":
+        return "cuda_ipc"
+    import torch
+
+    return "cuda_ipc" if torch.cuda.device_count() <= 1 else "nccl"
 
 
 def num_encode(args: argparse.Namespace) -> int:
@@ -375,6 +436,8 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
         transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
+        restart_workers=args.restart_workers,
+        silence_timeout_s=args.worker_silence_timeout,
     )
 
 
@@ -395,7 +458,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         api_key=args.api_key or envs.API_KEY.get(),
         served_model_name=args.served_model_name,
-        log_level=(args.log_level or envs.LOG_LEVEL.get()).lower(),
         max_body_mb=args.max_body_mb,
         max_tokens_limit=args.max_tokens_limit,
         max_tokens_default=args.max_tokens_default,
@@ -418,11 +480,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = server_config(args)
-    logging.basicConfig(
-        level=config.log_level.upper(), format=envs.LOG_FORMAT
-    )
-    pd = pd_config(args)
+    """Check what can be checked at once (the flags, the model, the ports), then serve.
+    Each problem found before the engines start is one line on stderr, exit code 1."""
+    logs.configure(log_config(args))
+    try:
+        config = server_config(args)
+        engine = engine_config(args)
+        pd = pd_config(args)
+    except ValueError as exc:
+        raise SystemExit(f"ferry serve: {exc}") from None
+    check_model(engine.model)
     shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None
     secret = cluster_secret(args, shared)
     try:
@@ -430,7 +497,19 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise SystemExit(f"ferry: cannot listen: {exc} (--port / --internal-port pick "
                          "others)") from None  # fmt: skip
-    return asyncio.run(serve(config, engine_config(args), pd, secret, listeners))
+    return asyncio.run(serve(config, engine, pd, secret, listeners))
+
+
+def check_model(spec: str) -> None:
+    """Exit with one line when ``--model`` names nothing that can load (no file, not a
+    GGUF file, an unknown preset), before any process starts; the header alone is read."""
+    from engine.loader import model_name
+
+    try:
+        model_name(spec)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise SystemExit(f"ferry: --model {spec}: {reason}") from None
 
 
 def _bind(config: ServerConfig) -> tuple[socket.socket, socket.socket]:
@@ -466,11 +545,11 @@ def _servers(public: Any, control: Any, config: ServerConfig) -> tuple[Any, Any]
         def capture_signals(self):
             return contextlib.nullcontext()
 
+    level = _quieter(logs.current().level)  # uvicorn logs through ferry's handler
     return (
-        PublicServer(uvicorn.Config(public, log_level=_quieter(config.log_level),
-                                    access_log=False,
+        PublicServer(uvicorn.Config(public, log_level=level, log_config=None, access_log=False,
                                     timeout_graceful_shutdown=config.drain_timeout_s + 5)),
-        ControlServer(uvicorn.Config(control, log_level=_quieter(config.log_level),
+        ControlServer(uvicorn.Config(control, log_level=level, log_config=None,
                                      access_log=False, lifespan="off")),
     )  # fmt: skip
 
@@ -479,10 +558,11 @@ async def serve(
     config: ServerConfig, engine: EngineConfig, pd: PDConfig | None, secret: str,
     listeners: tuple[socket.socket, socket.socket] | None = None,
 ) -> int:  # fmt: skip
-    """Run until SIGINT/SIGTERM; returns the process exit code. ``pd``: prefill and decode
-    worker pools; None: one engine process. ``secret``: the cluster secret. ``listeners``:
-    the public and control sockets (``_bind``; bound here if not given). The control plane
-    starts listening once the engines are ready."""
+    """Start the engines, then serve until SIGINT/SIGTERM; returns the process exit code.
+    ``pd``: prefill and decode worker pools; None: one engine process. ``secret``: the
+    cluster secret. ``listeners``: the public and control sockets (``_bind``; bound here
+    if not given). The control plane starts listening once the engines are ready. An
+    engine that cannot start is one line (exit code 1), and so is a signal meanwhile."""
 
     from engine.client import EngineClient
     from router.disagg import DisaggClient
@@ -491,6 +571,11 @@ async def serve(
 
     public_sock, control_sock = listeners or _bind(config)
     client = EngineClient(engine, secret) if pd is None else DisaggClient(engine, pd, secret)
+    began = time.monotonic()
+    logs.announce(f"starting {_what_runs(engine, pd)}; this takes a while the first time",
+                  model=engine.model, device=engine.device)  # fmt: skip
+    if not await _start(client):
+        return 1
     app = create_app(config, client)
     server, control = _servers(app, create_control_app(client, secret), config)
     controlling: list[asyncio.Task] = []
@@ -499,7 +584,7 @@ async def serve(
         while not server.started:
             await asyncio.sleep(0.05)
         controlling.append(asyncio.create_task(control.serve(sockets=[control_sock])))
-        _announce(server, client, config, control_sock)
+        _announce(server, client, config, control_sock, time.monotonic() - began)
         while not server.should_exit:
             await asyncio.sleep(0.1)
         await _drain(app, client, config)
@@ -514,6 +599,38 @@ async def serve(
     return 0 if server.started else 1
 
 
+def _what_runs(engine: EngineConfig, pd: PDConfig | None) -> str:
+    where = f"{engine.model} on {engine.device}"
+    if pd is None:
+        return f"one engine process (--aggregated) for {where}"
+    if not pd.num_prefill and not pd.num_decode:
+        return f"a frontend for {where}; workers join it (ferry worker)"
+    return (f"{pd.num_prefill} prefill + {pd.num_decode} decode worker(s) for {where}, KV over "
+            f"{pd.transfer.transport}")  # fmt: skip
+
+
+async def _start(client: Any) -> bool:
+    """Start the engines (``client.start``); False, with one line said, when they cannot
+    start or a SIGINT/SIGTERM comes first (what did start is stopped)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(client.start())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+        return True
+    except asyncio.CancelledError:
+        logs.announce("stopped while starting")
+    except Exception as exc:  # a worker that failed to start says why in its own line
+        log.debug("start failed", exc_info=True)
+        logs.announce(f"could not start: {exc}", level="ERROR")
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    await client.shutdown()
+    return False
+
+
 def _quieter(level: str) -> str:
     """uvicorn's own level: it says nothing at info that ferry's lines do not say."""
     return level if level in ("debug", "trace", "warning", "error", "critical") else "warning"
@@ -525,8 +642,8 @@ async def _drain(app: Any, client: Any, config: ServerConfig) -> None:
     whatever still runs ends with a clean error, before the engines are stopped."""
     app.state.draining = True
     busy = client.num_in_flight
-    print(f"ferry: shutting down; {busy} request(s) in flight get up to "
-          f"{config.drain_timeout_s:g} s", flush=True)  # fmt: skip
+    logs.announce(f"shutting down; {busy} request(s) in flight get up to "
+                  f"{config.drain_timeout_s:g} s", in_flight=busy)  # fmt: skip
     deadline = time.monotonic() + config.drain_timeout_s
     while client.num_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
@@ -534,9 +651,16 @@ async def _drain(app: Any, client: Any, config: ServerConfig) -> None:
         client.stop_all("the server is shutting down")
 
 
-def _announce(server: Any, client: Any, config: ServerConfig, control: socket.socket) -> None:
+def _announce(server: Any, client: Any, config: ServerConfig, control: socket.socket,
+              seconds: float) -> None:  # fmt: skip
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     name = config.served_model_name or client.model_name
-    print(f"ferry: serving {name} on http://{host}:{port}", flush=True)
+    logs.announce(f"serving {name} on http://{host}:{port}", model=name,
+                  url=f"http://{host}:{port}")  # fmt: skip
     chost, cport = control.getsockname()[:2]
-    print(f"ferry: control plane on http://{chost}:{cport}", flush=True)
+    logs.announce(f"control plane on http://{chost}:{cport}", url=f"http://{chost}:{cport}")
+    if client.is_healthy:
+        logs.announce(f"ready in {seconds:.1f} s (/ready answers 200)", seconds=seconds)
+    else:
+        logs.announce("waiting for workers: /ready answers 503 until a prefill and a decode "
+                      "worker have joined", seconds=seconds)  # fmt: skip

@@ -35,6 +35,7 @@ from engine.client import EngineDeadError, ReaderTooSlow, ServingClient
 from engine.messages import MediaItem, RequestOutput, TokenLogprob
 from engine.sampling_params import GrammarSpec, SamplingParams
 from engine.vision import ImageError, ImageInput, place_images
+from server import access
 from server.admission import Admission, Ticket
 from server.config import ServerConfig
 from server.errors import APIError, engine_unavailable, invalid_request, model_not_found
@@ -111,6 +112,7 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
     created: int = field(default_factory=lambda: int(time.time()))
     ticket: Ticket | None = None  # its place in the admission queue
+    trace_id: str = field(default_factory=access.request_id)  # its HTTP request's id
 
 
 @dataclass(frozen=True)
@@ -374,17 +376,25 @@ class Serving:
     # -- running ------------------------------------------------------------------------------
 
     async def events(self, job: Job) -> AsyncIterator[ChoiceEvent]:
-        """Every choice's events, merged; closing this aborts all choices in the engine."""
+        """Every choice's events, merged; closing this aborts all choices in the engine.
+        What they counted goes on the request's access-log line (``server.access``)."""
         for prompt in job.prompts:
             self.metrics.prompt_tokens.inc(len(prompt.token_ids))
         streams = [self._choice_events(job, spec) for spec in job.choices]
+        tally = Tally(job)
         try:
             async with aclosing(merge(streams)) as events:
                 async for event in events:
+                    if event.num_new_tokens:
+                        access.note_first_token()
+                    tally.add(event)
                     yield event
         finally:
             if job.ticket is not None:
                 job.ticket.close()
+            usage = tally.usage()
+            access.note_usage(usage.prompt_tokens, usage.completion_tokens,
+                              usage.prompt_tokens_details.cached_tokens)  # fmt: skip
 
     async def _choice_events(self, job: Job, spec: ChoiceSpec) -> AsyncIterator[ChoiceEvent]:
         prompt = job.prompts[spec.prompt_index].token_ids
@@ -393,7 +403,8 @@ class Serving:
         logprobs: list[TokenLogprob] = []
         timer = _TokenTimer(self.metrics, job.arrival)
         media = job.prompts[spec.prompt_index].media
-        outputs = self.client.generate(spec.request_id, prompt, spec.sampling, media)
+        outputs = self.client.generate(spec.request_id, prompt, spec.sampling, media=media,
+                                       trace_id=job.trace_id)  # fmt: skip
         deadline = job.arrival + self.request_timeout_s if self.request_timeout_s else None
         try:
             async with asyncio.timeout_at(deadline), aclosing(outputs):

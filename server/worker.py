@@ -26,8 +26,9 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from engine import envs
+from engine import logs
 from server import serve
+from server.topology import section
 
 log = logging.getLogger("ferry.worker")
 
@@ -35,26 +36,34 @@ _ANNOUNCE_RETRY_S = 1.0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("worker", help="run a prefill, decode or encode worker that "
-                              "joins frontends")
-    p.add_argument("--role", choices=["prefill", "decode", "encode"], required=True,
-                   help="encode: a vision-language model's vision tower (its images' "
-                        "embeddings go to prefill workers); a prefill worker started here "
-                        "encodes images itself unless --no-vision says an encode pool does")
-    p.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
-                   help="prefill: run the vision tower here (default: yes for a "
-                        "vision-language model; --no-vision when encode workers do it)")
-    p.add_argument("--listen", default="tcp://127.0.0.1:0",
-                   help="ZMQ address to bind for frontends; port 0 picks a free one")
-    p.add_argument("--name", help="unique worker name (default: <role>-<host>-<pid>)")
-    p.add_argument("--frontend", action="append", default=[], metavar="URL",
-                   help="the control plane of a ferry serve to join, as it prints it "
-                        "(ferry: control plane on URL; repeatable)")
-    p.add_argument("--redis", metavar="URL",
-                   help="register in this Redis and publish KV events there")
-    serve.add_secret_flag(p)
+    p = subparsers.add_parser("worker", help="run a prefill, decode or encode worker that joins "
+                              "frontends",
+                              usage="%(prog)s --role prefill|decode|encode [--config FILE] "
+                              "[options]",
+                              description="Run one prefill, decode or encode worker that joins "
+                              "frontends (their control plane, or Redis).")  # fmt: skip
+    serve.add_config_flag(p)
+    me = section(p, "worker", "this worker")
+    me.add_argument("--role", choices=["prefill", "decode", "encode"], required=True,
+                    help="what it computes: prompts (prefill), the tokens after (decode), or "
+                         "a vision-language model's image embeddings (encode), which go to "
+                         "the prefill workers")
+    me.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
+                    help="prefill: run the vision tower here (default: yes for a "
+                         "vision-language model; --no-vision when encode workers do it)")
+    me.add_argument("--listen", default="tcp://127.0.0.1:0",
+                    help="ZMQ address to bind for frontends; port 0 picks a free one")
+    me.add_argument("--name", help="unique worker name (default: <role>-<host>-<pid>)")
+    me.add_argument("--frontend", action="append", default=[], metavar="URL",
+                    help="the control plane of a ferry serve to join, as it prints it "
+                         "(ferry: control plane on URL; repeatable)")
+    control = section(p, "control", "the control plane (workers, not clients, use it)")
+    serve.add_secret_flag(control)
+    control.add_argument("--redis", metavar="URL",
+                         help="register in this Redis and publish KV events there")
     serve.add_engine_flags(p)
-    serve.add_transfer_flags(p)
+    serve.add_transfer_flags(section(p, "transfer", "how KV moves from prefill to decode "
+                                     "workers"))
     return p  # fmt: skip
 
 
@@ -73,11 +82,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         from encode.worker import EncodeWorker as role
 
-    logging.basicConfig(level=(args.log_level or envs.LOG_LEVEL.get()).upper(),
-                        format=envs.LOG_FORMAT)  # fmt: skip
+    name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
+    logs.configure(serve.log_config(args), name)
+    serve.check_model(args.model)
+    try:
+        engine, transfer = serve.engine_config(args), serve.transfer_config(args)
+    except ValueError as exc:
+        raise SystemExit(f"ferry worker: {exc}") from None
     if not args.frontend and not args.redis:
         log.warning("no --frontend and no --redis: no frontend will find this worker")
-    name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     secret = serve.cluster_secret(args, "a worker started on its own")
     try:
         channel = WorkerChannel(args.listen, role.codec, secret)
@@ -88,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
                     "only frontends that prove the cluster secret are heard, and nothing on "
                     "the channel is encrypted", channel.address)  # fmt: skip
     vision = args.role == "encode" or (args.role == "prefill" and args.vision is not False)
-    engine = serve.engine_config(args).replace(vision=vision)
-    config = WorkerConfig(args.role, engine, serve.transfer_config(args),
-                          listen=channel.address, name=name, redis_url=args.redis or "")
+    config = WorkerConfig(args.role, engine.replace(vision=vision), transfer,
+                          listen=channel.address, name=name,
+                          redis_url=args.redis or "")  # fmt: skip
     drain = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: drain.set())
@@ -99,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
     for url in args.frontend:
         threading.Thread(target=announce, args=(url, announcement, token, drain),
                          daemon=True).start()  # fmt: skip
-    print(f"ferry: {args.role} worker {name} listening on {channel.address}", flush=True)
+    logs.announce(f"{args.role} worker {name} listening on {channel.address}", worker=name,
+                  role=args.role, address=channel.address)  # fmt: skip
     serve_role(role, config, channel, secret, drain)
     return 0
 

@@ -14,11 +14,12 @@ w2)``, a pure function of the tokens, the routing and the stacked expert weights
 - returns [T, H] in ``hidden``'s dtype: ``sum_k topk_weights[t, k] *
   w2[e] (silu(gate_e(x)) * up_e(x))`` with ``e = topk_ids[t, k]``.
 
-On CUDA it is the grouped-GEMM kernel ``kernels.moe.fused_moe`` (tokens sorted by
-expert on the device, gate/up with the SiLU fused, down with the routing weight fused):
-no host synchronisation, so a decode step captures in a CUDA graph and reads only the
-chosen experts' weights. An expert-parallel dispatcher (tokens to the ranks that own
-their experts and back) takes its place the same way, without the model changing.
+On CUDA it is a grouped GEMM over the tokens each expert received
+(``kernels.moe.moe_experts_cuda``: the TileLang kernel ``fused_moe`` at a few tokens,
+torch's ``_grouped_mm`` above, whichever measured faster): no host synchronisation, so
+a decode step captures in a CUDA graph and reads only the chosen experts' weights. An
+expert-parallel dispatcher (tokens to the ranks that own their experts and back) takes
+its place the same way, without the model changing.
 Elsewhere (the CPU, float32, shapes the kernel does not take) the torch version sorts the
 (token, expert) pairs by expert and runs one product pair per expert that has tokens;
 that reads the per-expert counts on the host. While a CUDA graph is being captured
@@ -41,7 +42,7 @@ from torch import nn
 
 from engine.config import ModelConfig, MoEConfig
 from engine.models.llama import LlamaMLP
-from kernels.moe import fused_moe, fused_moe_supported
+from kernels.moe import fused_moe_supported, moe_experts_cuda
 
 
 def moe_experts(
@@ -53,7 +54,7 @@ def moe_experts(
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring)."""
     if fused_moe_supported(hidden, w13, w2):
-        return fused_moe(hidden, topk_ids, topk_weights, w13, w2)
+        return moe_experts_cuda(hidden, topk_ids, topk_weights, w13, w2)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
         return moe_experts_dense(hidden, topk_ids, topk_weights, w13, w2)
     return moe_experts_sorted(hidden, topk_ids, topk_weights, w13, w2)

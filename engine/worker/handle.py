@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -29,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import envs
+from engine import envs, logs
 from engine.messages import (
     Codec,
     EngineStats,
@@ -46,6 +47,10 @@ from kvstore import auth
 log = logging.getLogger("ferry.workers")
 
 _ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class WorkerHandle:
@@ -94,8 +99,9 @@ class WorkerHandle:
         self, module: str, config: WorkerConfig, tmpdir: str, timeout: float, secret: str
     ) -> WorkerReady:
         """Start ``python -m <module>`` serving ``config`` on an ipc address in ``tmpdir``
-        (the cluster ``secret`` in its environment, not on its command line) and wait until
-        it is ready."""
+        (the cluster ``secret`` in its environment, not on its command line, and this
+        process's log settings: ``engine.logs.child_environment``) and wait until it is
+        ready."""
         address = f"ipc://{tmpdir}/{re.sub(r'[^A-Za-z0-9_.-]', '_', self.name)}"
         self.spec = (module, config)
         config = config.replace(listen=address, exit_with_parent=True)
@@ -104,8 +110,11 @@ class WorkerHandle:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
             envs.CLUSTER_SECRET.name: secret,
+            **logs.child_environment(),
         }
-        self.proc = subprocess.Popen(cmd, env=env)
+        # SIGINT ignored from its first instruction: a Ctrl-C in the terminal is for the
+        # frontend, which stops its workers itself (even while they import and load)
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_interrupts)
         return await self.connect(address, timeout)
 
     async def connect(self, address: str, timeout: float) -> WorkerReady:
@@ -222,8 +231,11 @@ class WorkerHandle:
                 self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
 
     async def shutdown(self) -> None:
-        """Stop a spawned worker; just disconnect from one that joined from elsewhere."""
+        """Stop a spawned worker (one that never became ready is killed: it would not hear
+        a Shutdown before its handshake); just disconnect from one that joined elsewhere."""
         if self.proc is not None and self.proc.poll() is None:
+            if self.ready is None:
+                self.proc.kill()
             with contextlib.suppress(zmq.ZMQError):
                 self._sock.send(self.codec.encode(Shutdown()), zmq.NOBLOCK)
             try:

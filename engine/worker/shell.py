@@ -9,6 +9,7 @@ same way. ``main(role_cls)`` is a role module's ``python -m`` entry point.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -18,11 +19,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import msgspec
 
-from engine import envs
+from engine import envs, logs
 from engine.messages import (
     Codec,
     RequestOutput,
@@ -56,15 +57,30 @@ class Outbox:
     stats: WorkerStats | None = None
 
 
+class OpenedRequest(Protocol):
+    """A request a message opened: its id, the HTTP request it belongs to, and the tokens
+    it brings (a prompt's; an image's embedding rows)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def trace_id(self) -> str: ...
+
+    @property
+    def num_input_tokens(self) -> int: ...
+
+
 class WorkerRole(ABC):
     """What a worker does, plugged into the shell's loop (``serve``).
 
     The contract, per loop iteration of the shell:
 
     1. Every input that has arrived goes to ``handle``, in order (never ``Shutdown``: the
-       shell stops on it). ``handle`` returns the id of the request the message opens, if
-       it opens one; the shell then sends that request's replies and outputs to the
-       frontend it came from.
+       shell stops on it). ``handle`` returns the request the message opens, if it opens
+       one (an ``EngineRequest``, or a role's own request message: ``OpenedRequest``);
+       the shell then sends that request's replies and outputs to the frontend it came
+       from, and logs one line when it ends (``RequestLog``).
     2. ``step()`` runs once: at most one engine step, plus whatever the role moves; its
        ``Outbox`` is sent at once.
     3. When ``busy`` is false the shell first waits up to ``wait_ms`` for an input; if none
@@ -88,7 +104,7 @@ class WorkerRole(ABC):
     def ready(self) -> WorkerReady: ...
 
     @abstractmethod
-    def handle(self, msg: msgspec.Struct) -> str | None: ...
+    def handle(self, msg: msgspec.Struct) -> OpenedRequest | None: ...
 
     @abstractmethod
     def step(self) -> Outbox: ...
@@ -137,14 +153,18 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
         try:
             role = role_cls(config, secret)
         except Exception as exc:
-            log.exception("%s worker failed to start", config.role)
+            # one line; the traceback only when debugging
+            log.error("%s worker failed to start: %s: %s", config.role, type(exc).__name__, exc,
+                      exc_info=log.isEnabledFor(logging.DEBUG))  # fmt: skip
             channel.ready(WorkerFailed(f"{type(exc).__name__}: {exc}"))
             channel.linger()
             return
-        channel.ready(role.ready())
+        ready = role.ready()
+        channel.ready(ready)
+        _announce_ready(config, ready, channel.address)
         channel.start_heartbeat(HEARTBEAT_S)
         try:
-            _loop(role, channel, drain, _orphan_check(config.exit_with_parent))
+            _loop(role, channel, drain, _orphan_check(config.exit_with_parent), RequestLog())
         finally:
             role.close()
             log.info("%s worker %s stopped", config.role, config.name or channel.address)
@@ -154,8 +174,81 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
         channel.close()
 
 
+def _announce_ready(config: WorkerConfig, ready: WorkerReady, address: str) -> None:
+    """What runs here: the worker, its device, its KV cache, how KV moves, its tiers."""
+    name = config.name or config.role
+    transport = "" if config.role == "engine" else f", KV transport {config.transfer.transport}"
+    if ready.endpoint is not None:
+        transport += f" (receiver {ready.endpoint.address})"
+    tiers = config.engine.cache.tiers_summary()
+    cache = (f"KV cache {logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} blocks of "
+             f"{ready.block_size} tokens, context {ready.max_model_len})")  # fmt: skip
+    if config.role == "encode":  # image embeddings, kept in memory and the file tier only
+        tiers = dataclasses.replace(config.engine.cache, host_memory_gb=0).tiers_summary()
+        cache = (f"embedding cache {logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} "
+                 f"blocks of {ready.block_size} rows)")  # fmt: skip
+    logs.announce(
+        f"{config.role} worker {name} ready on {ready.device or config.engine.device}: "
+        f"{cache}{transport}, tiers: {tiers}",
+        worker=name, role=config.role, device=ready.device, address=address,
+        kv_cache_bytes=ready.kv_cache_bytes, kv_blocks=ready.num_blocks,
+        block_size=ready.block_size, transport=config.transfer.transport,
+        tiers=tiers,
+    )  # fmt: skip
+
+
+@dataclass
+class _Opened:
+    trace_id: str
+    prompt_tokens: int
+    started: float = field(default_factory=time.monotonic)
+    output_tokens: int = 0
+
+
+class RequestLog:
+    """One info line per request a worker ends, naming the HTTP request it belongs to
+    (``EngineRequest.trace_id``): how it ended, its prompt and output tokens, how long it
+    was here. Token ids and text are never logged."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, _Opened] = {}
+
+    def opened(self, request: OpenedRequest) -> None:
+        self._open[request.request_id] = _Opened(request.trace_id, request.num_input_tokens)
+
+    def output(self, out: RequestOutput) -> None:
+        req = self._open.get(out.request_id)
+        if req is None:
+            return
+        req.output_tokens += len(out.new_token_ids)
+        if out.finish_reason is not None:
+            reason = out.finish_reason + (f" ({out.error})" if out.error else "")
+            self._ended(out.request_id, reason, out.num_cached_tokens)
+
+    def replied(self, msg: msgspec.Struct) -> None:
+        """A role's last reply about a request (``PrefillDone``, ``PrefillFailed``)."""
+        error = getattr(msg, "error", None)
+        self._ended(msg.request_id, type(msg).__name__ + (f" ({error})" if error else ""))
+
+    def aborted(self, rid: str) -> None:
+        self._ended(rid, "aborted")
+
+    def _ended(self, rid: str, how: str, cached: int | None = None) -> None:
+        req = self._open.pop(rid, None)
+        if req is None:
+            return
+        seconds = time.monotonic() - req.started
+        cached_text = "" if cached is None else f" ({cached} cached)"
+        log.info("%s ended (%s) after %.3f s: %d prompt tokens%s, %d output tokens", rid, how,
+                 seconds, req.prompt_tokens, cached_text, req.output_tokens,
+                 extra=logs.about(req.trace_id, {
+                     "engine_request_id": rid, "outcome": how, "seconds": round(seconds, 6),
+                     "prompt_tokens": req.prompt_tokens, "output_tokens": req.output_tokens,
+                     "cached_tokens": cached}))  # fmt: skip
+
+
 def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
-          orphaned: Callable[[], bool]) -> None:  # fmt: skip
+          orphaned: Callable[[], bool], requests: RequestLog) -> None:  # fmt: skip
     check = envs.DEBUG_INTEGRITY.get()
     while True:
         role.draining = drain.is_set()
@@ -165,24 +258,30 @@ def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
         if not role.busy and not channel.poll(role.wait_ms):
             if orphaned():
                 return
-            _send(channel, role, role.tick())
+            _send(channel, role, role.tick(), requests)
             continue
         for frontend, msg in channel.pending():
             if isinstance(msg, Shutdown):
                 return
             opened = role.handle(msg)
             if opened is not None:
-                channel.claim(opened, frontend)
-        _send(channel, role, role.step())
+                channel.claim(opened.request_id, frontend)
+                requests.opened(opened)
+        _send(channel, role, role.step(), requests)
         if check and role.settled:
             role.check_integrity()
 
 
-def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox) -> None:
+def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox, requests: RequestLog) -> None:
     for msg, last in outbox.replies:
         channel.reply(msg.request_id, msg, last)
+        if last:
+            requests.replied(msg)
+    for out in outbox.outputs:
+        requests.output(out)
     for rid in outbox.ended:
         channel.release(rid)
+        requests.aborted(rid)
     stats = outbox.stats
     if stats is None and channel.last_stats + HEARTBEAT_S <= time.monotonic():
         stats = role.stats()
@@ -203,9 +302,8 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=f"a ferry {role_cls.role} worker")
     parser.add_argument("--config", required=True, help="WorkerConfig as JSON")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=envs.LOG_LEVEL.get().upper(), stream=sys.stderr,
-                        format=envs.LOG_FORMAT)  # fmt: skip
     config = msgspec.json.decode(args.config, type=WorkerConfig)
+    logs.configure(logs.LogConfig.from_environment(), config.name or config.role)
     if config.exit_with_parent:  # the frontend stops it: Ctrl-C in its terminal is for that
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     secret = envs.CLUSTER_SECRET.get()

@@ -167,6 +167,18 @@ def test_fused_moe_matches_reference(moe_weights, tokens, block_m):
     assert rel_error(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 5, 64, 300])
+def test_the_engines_choice_of_grouped_gemm_matches_reference(moe_weights, tokens):
+    from kernels.moe import fused_moe_ref, moe_experts_cuda
+
+    top_k, w13, w2 = moe_weights
+    x = torch.randn(tokens, w13.shape[2], device="cuda", dtype=torch.bfloat16)
+    ids, weights = _routing(tokens, w13.shape[0], top_k)
+    _poison()
+    out = moe_experts_cuda(x, ids, weights, w13, w2)
+    assert rel_error(out, fused_moe_ref(x, ids, weights, w13, w2)) <= TOL
+
+
 def test_fused_moe_replays_from_a_cuda_graph(moe_weights):
     from kernels.moe import fused_moe, fused_moe_ref
 

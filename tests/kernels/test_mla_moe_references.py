@@ -66,13 +66,13 @@ def test_mla_decode_reference_matches_the_torch_mla_backend(heads, rank, rope, b
     assert rel_error(engine, ref) < 1e-5
 
 
-def test_mla_decode_splits_fill_the_gpu_but_keep_long_splits():
+def test_mla_decode_splits_fill_one_wave_of_the_gpu():
     assert choose_num_splits(64, 128, 32768) == 1  # 128 CTAs: one wave already
-    assert choose_num_splits(128, 128, 1024) == 1
-    assert choose_num_splits(1, 128, 1024) == 1  # a split under 1k tokens costs more than it saves
-    assert choose_num_splits(1, 128, 8192) == 8
-    assert choose_num_splits(16, 128, 8192) == 5  # 32 CTAs → 160 with 5 splits
-    assert choose_num_splits(1, 128, 1 << 20) == 64
+    assert choose_num_splits(128, 128, 1024) == 1  # two full waves
+    assert choose_num_splits(16, 128, 8192) == 4  # 32 CTAs → 128, not a second wave
+    assert choose_num_splits(1, 128, 8192) == 64
+    assert choose_num_splits(1, 128, 1024) == 16  # one split per 64-token tile at most
+    assert choose_num_splits(32, 16, 1 << 20) == 4  # 16 heads: one head group per sequence
 
 
 def test_mla_decode_supported_needs_cuda_and_kernel_shapes():
@@ -139,3 +139,18 @@ def test_fused_moe_is_not_taken_on_the_cpu():
     w13 = torch.zeros(8, 64, 64, dtype=torch.bfloat16)
     w2 = torch.zeros(8, 64, 32, dtype=torch.bfloat16)
     assert not fused_moe_supported(x, w13, w2)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_mm_path_matches_the_reference():
+    from kernels.moe import grouped_mm_moe
+
+    g = torch.Generator().manual_seed(5)
+    tokens, experts, top_k, hidden, inter = 37, 16, 4, 64, 32
+    ids, weights = _routing(tokens, experts, top_k, seed=6)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).bfloat16()
+    out = grouped_mm_moe(x, ids, weights, w13, w2)
+    assert out.dtype == torch.bfloat16
+    assert rel_error(out, fused_moe_ref(x, ids, weights, w13, w2)) < 1e-2

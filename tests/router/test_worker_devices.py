@@ -20,3 +20,9 @@ def test_bare_cuda_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match="no GPU"):
         worker_devices("cuda", 2)
+
+
+def test_a_frontend_that_starts_no_workers_needs_no_gpu():
+    """The Kubernetes frontends: --device cuda in the shared topology, workers elsewhere
+    (on this machine, with or without GPUs)."""
+    assert worker_devices("cuda", 0) == []

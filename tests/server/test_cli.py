@@ -66,18 +66,25 @@ def test_cuda_keeps_kv_in_host_memory_and_uses_files_only_when_given_a_directory
     cpu = serve.engine_config(parse()).cache
     assert cpu.host_memory_gb > 0 and cpu.kv_dir
     gpu = serve.engine_config(parse("--device", "cuda")).cache
-    assert gpu.host_memory_gb == cpu.host_memory_gb and gpu.kv_dir == ""
+    assert gpu.host_memory_gb == pytest.approx(cpu.host_memory_gb, rel=0.05)  # memory now
+    assert gpu.kv_dir == ""
     given = serve.engine_config(parse("--device", "cuda", "--kv-dir", str(tmp_path))).cache
     assert given.kv_dir == str(tmp_path)
     forced = serve.engine_config(parse("--device", "cuda", "--kv-tiers", "host,file")).cache
     assert forced.kv_dir
 
 
-def test_kv_transport_defaults_to_one_the_device_can_use():
+def test_kv_transport_defaults_to_one_the_device_can_use(monkeypatch):
+    import torch
+
     assert serve.pd_config(parse()).transfer.transport == "shm"  # shared CPU memory
-    assert serve.pd_config(parse("--device", "cuda")).transfer.transport == "tcp"
-    nccl = serve.pd_config(parse("--device", "cuda", "--kv-transport", "nccl"))
-    assert nccl.transfer.transport == "nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert serve.pd_config(parse("--device", "cuda")).transfer.transport == "cuda_ipc"
+    assert serve.pd_config(parse("--device", "cuda:0")).transfer.transport == "cuda_ipc"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # spread over two GPUs
+    assert serve.pd_config(parse("--device", "cuda")).transfer.transport == "nccl"
+    tcp = serve.pd_config(parse("--device", "cuda", "--kv-transport", "tcp"))
+    assert tcp.transfer.transport == "tcp"
 
 
 def test_kv_tier_flags(monkeypatch, tmp_path):

@@ -19,13 +19,14 @@ FRONTEND = ["--prefill", "0", "--decode", "0", "--kv-transport", "tcp", "--kv-ti
 
 
 def wait_health(base_url: str, status: int, timeout: float = 120.0) -> dict:
+    """Wait for /ready to answer ``status``; return /health's account of the workers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        r = httpx.get(f"{base_url}/health", timeout=5)
+        r = httpx.get(f"{base_url}/ready", timeout=5)
         if r.status_code == status:
-            return r.json()
+            return httpx.get(f"{base_url}/health", timeout=5).json()
         time.sleep(0.2)
-    raise AssertionError(f"/health never returned {status}: {r.status_code} {r.text}")
+    raise AssertionError(f"/ready never returned {status}: {r.status_code} {r.text}")
 
 
 def complete(server, prompt: str) -> dict:
@@ -42,7 +43,8 @@ def cached(response: dict) -> int:
 
 def test_a_worker_started_on_its_own_joins_over_http_serves_and_drains(tmp_path):
     with run_server(tmp_path / "serve.log", *FRONTEND, healthy=False) as server:
-        assert httpx.get(f"{server.base_url}/health").status_code == 503  # nobody yet
+        assert httpx.get(f"{server.base_url}/ready").status_code == 503  # nobody yet
+        assert httpx.get(f"{server.base_url}/health").status_code == 200  # but it is alive
         join = ["--frontend", server.control_url, *WORKER]
         with (
             run_worker(tmp_path / "p.log", "--role", "prefill", "--name", "p-x", *join),

@@ -1,6 +1,8 @@
 """The first token of a disaggregated request reaches the client from the prefill worker:
 the decode worker is stopped (SIGSTOP) once it has reserved the request's blocks, so it
-can run no step at all, and the first content chunk still arrives."""
+can run no step at all, and the first content chunk still arrives. The server is its own,
+with a worker silence timeout longer than the stop: a stopped worker sends no heartbeat,
+and with the default 5 s it would be killed as hung while the prompt is computed."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import time
 import uuid
 
 import httpx
+import pytest
+from conftest import assert_sound
 
 _TRANSFERRING = re.compile(r'^ferry_worker_requests_transferring\{role="decode",[^}]*\} (\S+)$',
                            re.MULTILINE)  # fmt: skip
@@ -27,6 +31,13 @@ def _decode_pid(server) -> int:
 def _decode_transferring(server) -> float:
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     return sum(float(v) for v in _TRANSFERRING.findall(text))
+
+
+@pytest.fixture(scope="module")
+def server(serve, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("ferry-first-token") / "serve.log"
+    with serve(log_path, "--threads", "1", "--worker-silence-timeout", "600") as s:
+        yield s
 
 
 def test_first_content_chunk_arrives_before_the_decode_worker_runs_a_step(server):
@@ -62,3 +73,4 @@ def test_first_content_chunk_arrives_before_the_decode_worker_runs_a_step(server
     reader.join(60)
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length"
+    assert_sound(server)

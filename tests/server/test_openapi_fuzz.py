@@ -16,7 +16,7 @@ from schemathesis import GenerationMode
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = {"POST": 50, "GET": 10, "DELETE": 10}  # per operation and mode: minutes in all on 2 shared cores
+EXAMPLES = {"POST": 50, "GET": 10, "DELETE": 10}  # per operation and mode: minutes on 2 cores
 OPERATIONS = [
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
     ("GET", "/v1/responses/{response_id}"), ("DELETE", "/v1/responses/{response_id}"),

@@ -1,0 +1,117 @@
+"""A new user's first minutes with ``ferry``: mistakes are one line at once, never a
+traceback, and the help says what it does by default. Real ``ferry`` processes."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+from conftest import ROOT, _ferry_command
+
+
+def ferry(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*_ferry_command(), *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_a_taken_port_fails_at_once_before_any_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        run = ferry("serve", "--port", str(port))  # the default model: seconds to load
+        took = time.monotonic() - started
+    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert out.strip().splitlines() == [out.strip()], out  # one line
+    assert "cannot listen" in out and "Address already in use" in out
+    assert "ferry: starting" not in out and "worker" not in out  # no worker was started
+    assert took < 20
+
+
+@pytest.mark.parametrize("model, reason", [
+    ("/nonexistent/model.gguf", "no such file or folder"),
+    ("dummy:no-such-preset", "unknown dummy preset"),
+    ("{not_gguf}", "is not a GGUF file"),
+])  # fmt: skip
+def test_a_bad_model_fails_with_one_line(model, reason, tmp_path):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("these are not weights")
+    model = model.format(not_gguf=not_gguf)
+    run = ferry("serve", "--port", "0", "--model", model)
+    assert run.returncode == 1
+    assert run.stdout == ""
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"ferry: --model {model}: ") and reason in line
+
+
+def test_a_worker_with_a_bad_model_fails_with_one_line():
+    run = ferry("worker", "--role", "decode", "--model", "/nonexistent", "--cluster-secret", "s")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == ["ferry: --model /nonexistent: model "
+                                               "'/nonexistent': no such file or folder"]
+
+
+def test_an_unknown_flag_prints_the_subcommands_usage_not_the_top_level():
+    run = ferry("serve", "--bogus")
+    assert run.returncode == 2
+    lines = run.stderr.splitlines()
+    assert lines[0].startswith("usage: ferry serve ")
+    assert lines[-1] == ("ferry serve: error: unrecognized arguments: --bogus "
+                         "(see ferry serve --help)")
+    assert len(lines) == 2
+    worker = ferry("worker", "--role", "prefill", "--bogus").stderr.splitlines()
+    assert worker[0].startswith("usage: ferry worker ")
+
+
+def test_a_bad_value_names_the_flag():
+    run = ferry("serve", "--prefill", "many")
+    assert run.returncode == 2 and "argument --prefill: invalid int value: 'many'" in run.stderr
+    assert len(run.stderr.splitlines()) == 2
+
+
+def test_version_is_the_installed_packages():
+    run = ferry("--version")
+    assert run.returncode == 0
+    assert run.stdout.strip() == f"ferry {importlib.metadata.version('ferry')}"
+
+
+def test_help_shows_the_defaults():
+    text = " ".join(ferry("serve", "--help").stdout.split("options:", 1)[1].split())
+    for flag, default in [("--port PORT", "8000"), ("--host HOST", "127.0.0.1"),
+                          ("--max-num-seqs MAX_NUM_SEQS", "64"), ("--prefill N", "1"),
+                          ("--router-policy", "cache_aware"), ("--kv-file-ttl-hours", "72.0"),
+                          ("--model PATH", "default"), ("--drain-timeout S", "30.0")]:  # fmt: skip
+        start = text.index(flag)
+        end = text.find(" --", start + len(flag))
+        assert f"(default: {default}" in text[start:end], text[start:end]
+    worker = " ".join(ferry("worker", "--help").stdout.split())
+    assert "(default: tcp://127.0.0.1:0)" in worker
+
+
+def test_ctrl_c_while_the_workers_start_stops_everything_with_one_line(tmp_path):
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([*_ferry_command(), "serve", "--port", "0", "--threads", "1"],
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "ferry: starting" not in log_path.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        time.sleep(0.5)  # the workers are importing and loading the model
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        assert proc.wait(timeout=40) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log_path.read_text()
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.strip().splitlines()[-1] == "ferry: stopped while starting", out
