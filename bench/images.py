@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -168,29 +170,52 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
+    # a time limit's SIGTERM ends the run like an error: servers stopped, results kept
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     groups = [args.topologies] if args.together else [[t] for t in args.topologies]
-    for group in groups:
-        procs = {t: start_serving(flags(t), tmp / f"{t}.log") for t in group}
-        try:
-            for topo, proc in procs.items():
-                try:  # one topology's failure: the others still run
-                    _, url = wait_serving(proc, tmp / f"{topo}.log")
-                    run_topology(topo, url, args, tmp,
-                                 report["topologies"].setdefault(topo, {}), save)  # fmt: skip
-                except Exception as exc:
-                    log = (tmp / f"{topo}.log").read_text(errors="replace")[-3000:]
-                    report["errors"][topo] = {"error": f"{type(exc).__name__}: {exc}"[-3000:],
-                                              "server_log": log}  # fmt: skip
-                    print(f"{topo}: {type(exc).__name__}: {exc}", flush=True)
-                    save()
-        finally:
-            for proc in procs.values():
-                proc.terminate()
-            for proc in procs.values():
-                proc.wait(timeout=60)
-    save()
+    try:
+        for group in groups:
+            _run_group(group, args, tmp, flags, report, save)
+    finally:
+        save()
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {args.out}")
+
+
+def _run_group(group: list[str], args: argparse.Namespace, tmp: Path,
+               flags: Callable[[str], list[str]], report: dict,
+               save: Callable[[], None]) -> None:  # fmt: skip
+    """Start the servers of ``group`` together, then measure each in turn."""
+    started = time.perf_counter()
+    procs = {t: start_serving(flags(t), tmp / f"{t}.log") for t in group}
+    try:
+        urls = {}
+        for topo, proc in procs.items():
+            try:  # one topology's failure: the others still run
+                urls[topo] = wait_serving(proc, tmp / f"{topo}.log")[1]
+                report.setdefault("ready_after_s", {})[topo] = time.perf_counter() - started
+                save()
+            except Exception as exc:
+                _failed(report, topo, exc, tmp)
+                save()
+        for topo, url in urls.items():
+            try:
+                run_topology(topo, url, args, tmp, report["topologies"].setdefault(topo, {}),
+                             save)  # fmt: skip
+            except Exception as exc:
+                _failed(report, topo, exc, tmp)
+                save()
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(timeout=60)
+
+
+def _failed(report: dict, topo: str, exc: Exception, tmp: Path) -> None:
+    log = (tmp / f"{topo}.log").read_text(errors="replace")[-3000:]
+    report["errors"][topo] = {"error": f"{type(exc).__name__}: {exc}"[-3000:], "server_log": log}
+    print(f"{topo}: {type(exc).__name__}: {exc}", flush=True)
 
 
 if __name__ == "__main__":

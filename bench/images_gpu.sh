@@ -11,8 +11,14 @@
 # Each step has its own time limit and its own result; a failed one does not stop the next.
 # From the repository root, with .gpu carried:
 #   tar -xJf .gpu/site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site:$PWD && bash bench/images_gpu.sh
+# (DEVICE=cpu MODEL=dummy:qwen2.5-vl-tiny DTYPE=float32 KVGB=0.05 IMAGES_LIMIT=600: the same
+# steps on a CPU.)
 set -u
 OUT=${OUT:-/tmp/ferry-images-gpu}
+DEVICE=${DEVICE:-cuda}
+MODEL=${MODEL:-dummy:qwen2.5-vl-7b}
+DTYPE=${DTYPE:-bfloat16}
+KVGB=${KVGB:-6}  # each worker's KV cache (the encode worker's embedding cache)
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0
 # Pillow decodes the images: from .gpu when the machine lacks it
@@ -23,17 +29,17 @@ fi
   date -u
   git rev-parse --short HEAD 2>/dev/null
   python3 -c "import PIL, torch, transformers; print('Pillow', PIL.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
-  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 } > "$OUT/env.txt" 2>&1
 
-timeout 50 python3 bench/vlm_check.py --device cuda --out "$OUT/vlm_check.json" \
+timeout 30 python3 bench/vlm_check.py --device "$DEVICE" --out "$OUT/vlm_check.json" \
   > "$OUT/vlm_check.log" 2>&1
 echo "vlm_check rc=$?" >> "$OUT/env.txt"
 
-timeout 95 python3 -m bench.images --model dummy:qwen2.5-vl-7b --together \
+timeout "${IMAGES_LIMIT:-115}" python3 -m bench.images --model "$MODEL" --together \
   --concurrency 1 16 --num-requests 4 16 --input-len 32 --output-len 8 --image-size 448x448 \
   --threads 4 --out "$OUT/images_h200.json" \
-  --serve-flags "--device cuda --dtype bfloat16 --kv-cache-memory-gb 6 --max-model-len 4096 --enforce-eager" \
+  --serve-flags "--device $DEVICE --dtype $DTYPE --kv-cache-memory-gb $KVGB --max-model-len 4096 --enforce-eager" \
   > "$OUT/images.log" 2>&1
 echo "images rc=$?" >> "$OUT/env.txt"
 
