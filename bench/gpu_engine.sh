@@ -2,7 +2,7 @@
 # The GPU engine's checks and benchmark in one command on the H200 (bench/README.md, GPU).
 #
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_moe] [ds_step]
-#                       [ds_serve] [pd_ipc]
+#                       [ds_serve] [pd_ipc] [served]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -13,7 +13,9 @@
 # the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
 # two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
 # at the 8B shape (bench/pd_serving.py; lengths in words: 128 words is ~700 tokens of the dummy
-# models' byte tokenizer, 390 words ~2k).
+# models' byte tokenizer, 390 words ~2k); the served path at load: TPOT p50 of ferry serve
+# (aggregated, 8B shape, decode-heavy, concurrency 64) against the engine's own batch-64
+# step (schedule + runner + update) in the same run.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -69,6 +71,15 @@ for step in "$@"; do
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 16" \
         --commit "$COMMIT" --out "$OUT/pd_ipc_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -14 || status=1 ;;
+    served)
+      $LIMIT python3 -m bench.gpu_engine --points 64x1024 --eager-points "" --skinny-ab "" \
+        --prefill "" --engine-step 64x1024 --repeats 10 --commit "$COMMIT" \
+        --out "$OUT/served_engine_step.json" 2>&1 | tee -a "$OUT/steps.log" | tail -6 || status=1
+      $LIMIT python3 -m bench.pd_serving --model dummy:llama3-8b --topologies aggregated \
+        --workloads 128x256 --concurrency 64 --num-requests 128 \
+        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 16" \
+        --commit "$COMMIT" --out "$OUT/served_c64_h200.json" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -4 || status=1 ;;
     serve)
       python3 -m pytest -q -x -p no:cacheprovider tests/server/test_serve_cuda.py \
         2>&1 | tee "$OUT/serve.log" | tail -15 || status=1 ;;

@@ -162,7 +162,7 @@ def _save(report: dict, results: dict, args) -> None:
     else:
         report.pop("topologies", None)
         report.update(results)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

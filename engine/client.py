@@ -67,6 +67,26 @@ def offer(queue: asyncio.Queue, item: RequestOutput | Exception) -> bool:
     return False
 
 
+async def outputs_of(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue (as ``offer`` fills it) up to the last. Outputs
+    that piled up while the reader was busy come out joined into one: a reader that falls
+    behind (a busy frontend at high concurrency) catches up with fewer, larger chunks
+    instead of paying its per-output cost (detokenizing, rendering, writing) for each."""
+    while True:
+        out = await queue.get()
+        if isinstance(out, Exception):
+            raise out
+        while out.finish_reason is None and not queue.empty():
+            later = queue.get_nowait()
+            if isinstance(later, Exception):
+                yield out
+                raise later
+            out = out.then(later)
+        yield out
+        if out.finish_reason is not None:
+            return
+
+
 class WorkerRefused(ValueError):
     """A worker asked to join a topology that takes none (one engine process)."""
 
@@ -199,10 +219,7 @@ class EngineClient:
                                         media=list(media), trace_id=trace_id))  # fmt: skip
         finished = False
         try:
-            while not finished:
-                out = await queue.get()
-                if isinstance(out, Exception):
-                    raise out
+            async for out in outputs_of(queue):
                 finished = out.finish_reason is not None
                 yield out
         finally:

@@ -103,6 +103,18 @@ class RequestOutput(msgspec.Struct, array_like=True):
     # prompt token, the first None (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the same request's ``later`` one as one: tokens (and their
+        logprobs) in order, ``later``'s ending, the first prompt logprobs."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = [*(logprobs or ()), *later.logprobs]
+        return RequestOutput(
+            self.request_id, self.new_token_ids + later.new_token_ids, later.finish_reason,
+            later.num_cached_tokens or self.num_cached_tokens, logprobs, later.stop_token_id,
+            later.error, self.prompt_logprobs or later.prompt_logprobs,
+        )  # fmt: skip
+
 
 class EngineStats(msgspec.Struct, frozen=True):
     num_running: int = 0

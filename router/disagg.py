@@ -49,7 +49,7 @@ import msgspec
 from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
 from encode.messages import Encoded, EncodeFailed
 from engine import logs
-from engine.client import EngineDeadError, offer
+from engine.client import EngineDeadError, offer, outputs_of
 from engine.config import EngineConfig
 from engine.loader import load_image_inputs, load_tokenizer, model_name
 from engine.messages import Abort, EngineRequest, EngineStats, MediaItem, Outputs, RequestOutput
@@ -220,10 +220,7 @@ class DisaggClient:
         self._dispatch(route)
         finished = False
         try:
-            while not finished:
-                out = await route.queue.get()
-                if isinstance(out, Exception):
-                    raise out
+            async for out in outputs_of(route.queue):
                 finished = out.finish_reason is not None
                 yield out
         finally:

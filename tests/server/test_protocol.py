@@ -117,3 +117,25 @@ def test_stream_options_need_stream_and_messages_need_content():
     assert validation_error(info.value.errors()).param == "messages.0"
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     ChatCompletionRequest(messages=[*MESSAGES, {"role": "assistant", "tool_calls": calls}])
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_content_chunk_from_its_template_is_what_the_model_renders(include_usage):
+    import random
+    import types
+
+    from server.serving import ChatRenderer, Job
+
+    rng = random.Random(0)
+    alphabet = ['"', "\\", "\n", "\t", "\x00", "\x1f", "\x7f", "/", "é", "€", "😀", "\u2028",
+                "a", " ", "<", "&", "'", "\ufffd"]  # fmt: skip
+    request = ChatCompletionRequest(messages=MESSAGES, stream=True,
+                                    stream_options={"include_usage": include_usage})  # fmt: skip
+    job = Job(request_id="chatcmpl-x", model='m"odel\\', prompts=[], choices=[])
+    renderer = ChatRenderer(types.SimpleNamespace(tokenizer=None), job, request)
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        index = rng.randint(0, 2)
+        full = renderer._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text))])
+        assert renderer.content_chunk(index, text) == full
+        assert json.loads(full[len("data: "):])["choices"][0]["delta"]["content"] == text
