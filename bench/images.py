@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
             _run_group(group, args, tmp, flags, report, save)
     finally:
         save()
+        for topo in args.topologies:  # the file tiers; the servers' logs stay
+            shutil.rmtree(tmp / f"kv-{topo}", ignore_errors=True)
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {args.out}")
 
