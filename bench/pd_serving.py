@@ -45,10 +45,19 @@ def _ferry() -> list[str]:
 
 def serve(flags: list[str], log: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
     """``ferry serve`` from the checkout at ``root``, on a free port."""
+    return wait_serving(start_serving(flags, log, root), log)
+
+
+def start_serving(flags: list[str], log: Path, root: Path = ROOT) -> subprocess.Popen:
+    """``ferry serve`` started (``wait_serving``: until it serves)."""
     command = _ferry() if root == ROOT else [sys.executable, "-m", "server.cli"]
     with log.open("wb") as f:
-        proc = subprocess.Popen([*command, "serve", "--port", "0", *flags], stdout=f,
+        return subprocess.Popen([*command, "serve", "--port", "0", *flags], stdout=f,
                                 stderr=subprocess.STDOUT, cwd=root)  # fmt: skip
+
+
+def wait_serving(proc: subprocess.Popen, log: Path) -> tuple[subprocess.Popen, str]:
+    """The server and its URL once it serves; it is killed if it does not within 300 s."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         match = _READY.search(log.read_text(errors="replace"))

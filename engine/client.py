@@ -16,23 +16,25 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import msgspec
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer
+from engine.loader import load_image_inputs, load_tokenizer
 from engine.messages import (
     ENGINE,
     Abort,
     EngineRequest,
     EngineStats,
+    MediaItem,
     Outputs,
     RequestOutput,
 )
 from engine.sampling_params import SamplingParams
+from engine.vision import ImageInputs
 from engine.worker.config import WorkerConfig
 from engine.worker.handle import WorkerHandle
 from kvstore import auth
@@ -96,7 +98,9 @@ class ServingClient(Protocol):
     them. ``generate`` streams one request's outputs (the last has ``finish_reason``);
     leaving it early aborts the request everywhere, as ``abort`` does. ``health`` is the
     body of ``/health`` (None: status only), ``stats`` the engines' summed figures, and
-    ``collectors`` their own Prometheus collectors. ``join`` starts attaching a worker
+    ``collectors`` their own Prometheus collectors. ``images``: what the frontend needs to
+    put images into a prompt (None: the model takes none); ``generate``'s ``media`` are
+    the prompt's images, with their files. ``join`` starts attaching a worker
     that announced itself (the task ends once it is ready, or with why not) or raises
     ``WorkerRefused`` at once. ``trace_id``: the HTTP request a generated request belongs
     to, which the workers' log lines name. ``num_in_flight`` counts the requests being generated;
@@ -107,6 +111,7 @@ class ServingClient(Protocol):
     tokenizer: Any
     model_name: str
     max_model_len: int
+    images: ImageInputs | None
 
     @property
     def is_healthy(self) -> bool: ...
@@ -120,7 +125,7 @@ class ServingClient(Protocol):
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        trace_id: str = "",
+        media: Sequence[MediaItem] = (), trace_id: str = "",
     ) -> AsyncIterator[RequestOutput]: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> None: ...
@@ -149,6 +154,7 @@ class EngineClient:
         self.block_size = config.cache.block_size
         self.num_blocks = 0
         self.tokenizer = None
+        self.images: ImageInputs | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
@@ -160,9 +166,11 @@ class EngineClient:
 
     async def start(self, timeout: float = 900.0) -> None:
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.config.model))
+        images = asyncio.create_task(asyncio.to_thread(load_image_inputs, self.config.model))
         ready = await self._engine.spawn("engine.core", WorkerConfig("engine", self.config),
                                          self._tmp, timeout, self._secret)  # fmt: skip
         self.tokenizer = await tokenizer
+        self.images = await images
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.block_size = ready.block_size
@@ -195,10 +203,12 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+        media: Sequence[MediaItem] = (),
         trace_id: str = "",
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the engine's outputs for one request; the last has ``finish_reason``.
-        Leaving early (break, cancellation) aborts the request in the engine."""
+        Leaving early (break, cancellation) aborts the request in the engine. The engine
+        encodes the images of ``media`` itself."""
         if not self.is_healthy:
             raise EngineDeadError(self._engine.dead or "engine is not running")
         if request_id in self._queues:
@@ -206,7 +216,7 @@ class EngineClient:
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         self._engine.send(EngineRequest(request_id, prompt_token_ids, sampling, time.time(),
-                                        trace_id=trace_id))  # fmt: skip
+                                        media=list(media), trace_id=trace_id))  # fmt: skip
         finished = False
         try:
             async for out in outputs_of(queue):

@@ -60,7 +60,7 @@ class RopeScaling:
                 attention_factor=rope.get("attention_factor"),
                 truncate=rope.get("truncate", True),
             )
-        if kind not in (None, "default"):
+        if kind not in (None, "default", "mrope"):  # M-RoPE: the sections, not a scaling
             raise NotImplementedError(f"rope scaling {kind!r}")
         return cls()
 
@@ -174,6 +174,81 @@ class MoEConfig:
         )
 
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """A vision tower and how its image tokens sit in the language model's prompt
+    (Qwen2.5-VL: a ViT over ``patch_size`` patches with window attention in windows of
+    ``window_size`` pixels except on ``fullatt_block_indexes``, then an MLP that merges
+    each ``spatial_merge_size`` x ``spatial_merge_size`` patches into one language-model
+    token of width ``out_hidden_size``).
+
+    An image becomes ``grid_h * grid_w / spatial_merge_size**2`` copies of
+    ``image_token_id`` between ``vision_start_token_id`` and ``vision_end_token_id``; the
+    tower's outputs replace those tokens' embeddings.
+    """
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("the vision hidden size must split evenly into its heads")
+        if (self.hidden_size // self.num_heads) % 4:
+            raise ValueError("the vision head width must be a multiple of 4 (2D rotary)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_width(self) -> int:
+        """Values of one flattened patch as the image processor emits it."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies what the tower computes (with the model's name: its weights)."""
+        full = ",".join(map(str, self.fullatt_block_indexes))
+        return (f"vit{self.depth}x{self.hidden_size}h{self.num_heads}p{self.patch_size}"
+                f"m{self.spatial_merge_size}w{self.window_size}f{full}>{self.out_hidden_size}")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], top: dict[str, Any]) -> VisionConfig:
+        """From a Qwen2.5-VL ``vision_config`` and the top-level config's token ids."""
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            depth=cfg["depth"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=cfg["num_heads"],
+            out_hidden_size=cfg["out_hidden_size"],
+            image_token_id=top["image_token_id"],
+            vision_start_token_id=top["vision_start_token_id"],
+            vision_end_token_id=top["vision_end_token_id"],
+            patch_size=cfg.get("patch_size", 14),
+            spatial_merge_size=cfg.get("spatial_merge_size", 2),
+            temporal_patch_size=cfg.get("temporal_patch_size", 2),
+            in_channels=cfg.get("in_channels", cfg.get("in_chans", 3)),
+            window_size=cfg.get("window_size", 112),
+            fullatt_block_indexes=tuple(cfg.get("fullatt_block_indexes", ())),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+        )
+
+
 # transformers' class names → ferry's architecture names, for configs without model_type
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -182,6 +257,7 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 
 
@@ -205,6 +281,10 @@ class ModelConfig:
     place of the MLP on most layers; ``intermediate_size`` stays the dense layers' width).
     DeepSeek-V3 has both, Qwen3-MoE only ``moe``. ``num_mtp_layers``: multi-token
     prediction layers that follow the decoder (DeepSeek-V3's, loaded, not run yet).
+    ``vision``: the vision tower of a vision-language model (Qwen2.5-VL), whose language
+    model is Qwen2's with M-RoPE: ``mrope_section`` splits the rotary frequencies into
+    three parts turned by three position streams (time, height, width;
+    ``engine.models.rotary.MRotaryEmbedding``).
     """
 
     vocab_size: int
@@ -228,10 +308,14 @@ class ModelConfig:
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     num_mtp_layers: int = 0
+    vision: VisionConfig | None = None
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.mrope_section and sum(self.mrope_section) * 2 != self.head_dim:
+            raise ValueError("mrope_section must split the head's rotary half exactly")
         if self.mla is not None and self.head_dim != self.mla.qk_head_dim:
             raise ValueError("with MLA, head_dim is qk_nope_head_dim + qk_rope_head_dim")
 
@@ -243,6 +327,8 @@ class ModelConfig:
             shape = f"{self.num_layers}xmla{self.mla.kv_lora_rank}+{self.mla.qk_rope_head_dim}"
         if self.moe is not None:
             shape += f"-moe{self.moe.num_experts}top{self.moe.top_k}"
+        if self.vision is not None:  # image tokens' KV is what this tower made of them
+            shape += f"-{self.vision.fingerprint}"
         return f"{self.name}:{self.architecture}:{shape}"
 
     @classmethod
@@ -252,9 +338,16 @@ class ModelConfig:
 
         Null entries count as absent (transformers 5 writes ``"attention_bias": null``
         for Qwen2, which always has the bias, and may keep rope theta only under
-        ``rope_parameters``)."""
+        ``rope_parameters``). A vision-language config (Qwen2.5-VL) has its language
+        model under ``text_config`` and its tower under ``vision_config``."""
         cfg = {k: v for k, v in cfg.items() if v is not None}
         arch = hf_architecture(cfg)
+        vision = None
+        if arch == "qwen2_5_vl":
+            vision = VisionConfig.from_hf(cfg["vision_config"], cfg)
+            text = {k: v for k, v in cfg.get("text_config", {}).items() if v is not None}
+            cfg = {**{k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")},
+                   **text}  # fmt: skip
         heads = cfg["num_attention_heads"]
         max_positions = cfg.get("max_position_embeddings", 8192)
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
@@ -278,7 +371,7 @@ class ModelConfig:
             rope_scaling=RopeScaling.from_hf(rope, max_positions),
             max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            attention_bias=cfg.get("attention_bias", arch in ("qwen2", "qwen2_5_vl")),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
             architecture=arch,
             name=name,
@@ -287,6 +380,8 @@ class ModelConfig:
             mla=mla,
             moe=MoEConfig.from_hf(cfg, cfg["num_hidden_layers"]),
             num_mtp_layers=cfg.get("num_nextn_predict_layers", 0),
+            vision=vision,
+            mrope_section=tuple(rope.get("mrope_section", ())) if vision else (),
         )
 
 
@@ -456,6 +551,9 @@ class EngineConfig:
     # plan step N+1 while step N runs (engine.core); None: on where the device runs
     # asynchronously to the host (CUDA), off on the CPU, where there is nothing to overlap
     overlap_scheduling: bool | None = None
+    # a vision-language model: build its vision tower and encode the images requests bring
+    # (False: a worker whose images are encoded elsewhere, or that gets their KV)
+    vision: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)

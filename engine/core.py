@@ -24,7 +24,8 @@ from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
 from engine.kv_cache.sizing import auto_kv_blocks
 from engine.kv_cache.tiered import KVTiers
-from engine.loader import load_model, resolve_cpu_weights
+from engine.loader import load_image_processor, load_model, resolve_cpu_weights
+from engine.media import MediaGate
 from engine.messages import (
     ENGINE,
     Abort,
@@ -41,6 +42,7 @@ from engine.scheduler import Scheduler
 from engine.spec import build_drafter
 from engine.spec.manager import SpecDecoding
 from engine.structured import GrammarCompiler, GrammarGate
+from engine.vision import MAX_DECODE_PIXELS, VisionEncoder
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole
 from engine.worker.shell import main as worker_main
@@ -81,9 +83,8 @@ class EngineCore:
         dtype = _DTYPES[config.dtype]
         config = config.replace(cpu_weights=resolve_cpu_weights(config))
         started, compiled = time.perf_counter(), compile_seconds()
-        loaded = load_model(
-            config.model, config.device, dtype, progress, weights=config.cpu_weights
-        )
+        loaded = load_model(config.model, config.device, dtype, progress,
+                            weights=config.cpu_weights, vision=config.vision)  # fmt: skip
         if experts is not None:
             experts.attach(loaded.model)
         self.startup = {"weights": time.perf_counter() - started}
@@ -111,6 +112,7 @@ class EngineCore:
         tiers = self._tiers(cache_cfg, self.fingerprint)
         self.kv = KVCacheManager(pool, cache_cfg.block_size, tiers)
         self.max_model_len = self.config.scheduler.max_model_len
+        self.media = MediaGate(self._encoder(loaded.model))
         self.overlap = config.overlaps
         if drafter is not None:
             drafter.bind(self.kv_cache, cache_cfg.num_blocks, self.max_model_len)
@@ -119,7 +121,8 @@ class EngineCore:
         self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len, spec)
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size, drafter,
-                                  proposes=scheduler_cls.drafts)  # fmt: skip
+                                  proposes=scheduler_cls.drafts,
+                                  embeddings=self.media.get)  # fmt: skip
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
         captured = time.perf_counter()
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
@@ -138,6 +141,16 @@ class EngineCore:
                 loaded.tokenizer, mc.vocab_size, so.grammar_cache_mb << 20, so.compile_threads
             )
         )
+
+    def _encoder(self, model: torch.nn.Module) -> VisionEncoder | None:
+        """The vision encoder of a model built with its tower (None: text only, or the
+        images are encoded elsewhere)."""
+        tower = getattr(model, "visual", None)
+        if tower is None:
+            return None
+        processor = load_image_processor(self.config.model)
+        assert processor is not None
+        return VisionEncoder(tower, processor, MAX_DECODE_PIXELS)
 
     def _tiers(self, cache: CacheConfig, fingerprint: str) -> KVTiers | None:
         """Host and file tiers below the KV cache, as ``cache`` asks (none by default)."""
@@ -165,22 +178,17 @@ class EngineCore:
         sched = dataclasses.replace(config.scheduler, max_model_len=min(limit, capacity))
         return config.replace(cache=cache, scheduler=sched)
 
-    def add_request(self, msg: EngineRequest) -> RequestOutput | None:
-        """Queue a request; returns an error output instead if it cannot run."""
-        n = len(msg.prompt_token_ids)
-        problem = None
-        if n == 0:
-            problem = "the prompt is empty"
-        elif n + msg.sampling.max_tokens > self.max_model_len:
-            problem = (
-                f"prompt ({n} tokens) + max_tokens ({msg.sampling.max_tokens}) exceeds the "
-                f"context length ({self.max_model_len})"
-            )
-        elif (
-            max(msg.prompt_token_ids) >= self.model_config.vocab_size
-            or min(msg.prompt_token_ids) < 0
-        ):
-            problem = "prompt holds token ids outside the vocabulary"
+    def add_request(
+        self, msg: EngineRequest, embeddings: list[torch.Tensor] | None = None
+    ) -> RequestOutput | None:
+        """Queue a request; returns an error output instead if it cannot run.
+
+        A request with images (``msg.media``) gets its embeddings one of three ways:
+        ``embeddings`` (one tensor per image: a role received them from an encode
+        worker); its items carry the image files, and this engine encodes them before it
+        is scheduled (``MediaGate``); or neither, and it must not compute its image
+        tokens here (a decode worker gets the prompt's KV; ``_drop_uncomputable``)."""
+        problem = self._prompt_problem(msg) or self._media_problem(msg, embeddings)
         if problem:
             return RequestOutput(msg.request_id, [], "error", error=problem)
         extra = self.hash_extra + (extra_keys(msg.cache_salt) if msg.cache_salt else b"")
@@ -192,21 +200,91 @@ class EngineCore:
             arrival_time=msg.arrival_time,
             hash_extra=extra,
             output_token_ids=list(msg.output_token_ids),
+            media=tuple(msg.media),
             trace_id=msg.trace_id,
         )
-        if msg.sampling.grammar is None:
+        if embeddings is not None:
+            self.media.put(req.request_id, embeddings)
+        elif msg.media and msg.media[0].data:
+            self.media.add(req)  # enters the scheduler once its images are encoded
+            return None
+        self._admit(req)
+        return None
+
+    def _admit(self, req: Request) -> None:
+        if req.sampling.grammar is None:
             self.scheduler.add(req)
         else:  # enters the scheduler once its grammar has compiled
             self.grammars.add(req)
+
+    def _prompt_problem(self, msg: EngineRequest) -> str | None:
+        n = len(msg.prompt_token_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n + msg.sampling.max_tokens > self.max_model_len:
+            return (f"prompt ({n} tokens) + max_tokens ({msg.sampling.max_tokens}) exceeds "
+                    f"the context length ({self.max_model_len})")  # fmt: skip
+        ids = msg.prompt_token_ids
+        if max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+            return "prompt holds token ids outside the vocabulary"
         return None
 
+    def _media_problem(
+        self, msg: EngineRequest, embeddings: list[torch.Tensor] | None
+    ) -> str | None:
+        """Why the request's images cannot be served here, if they cannot."""
+        if not msg.media:
+            return None if embeddings is None else "embeddings given for a prompt without images"
+        vision = self.model_config.vision
+        if vision is None:
+            return f"{self.model_name} takes no images"
+        prompt, end = msg.prompt_token_ids, 0
+        for item in msg.media:
+            t, h, w = item.grid
+            if item.offset < end or item.end > len(prompt) or item.length < 1:
+                return "image placeholders overlap or lie outside the prompt"
+            if t * h * w != item.length * vision.spatial_merge_size**2:
+                return f"an image of grid {item.grid} does not take {item.length} tokens"
+            if any(tok != vision.image_token_id for tok in prompt[item.offset : item.end]):
+                return "an image's placeholder tokens are not the image token"
+            end = item.end
+        with_data = sum(1 for m in msg.media if m.data)
+        if with_data not in (0, len(msg.media)) or (with_data and embeddings is not None):
+            return "a request's images come with their files or their embeddings, not both"
+        if with_data and self.media.encoder is None:
+            return "this worker has no vision encoder (its images are encoded elsewhere)"
+        if embeddings is not None:
+            shapes = [(m.length, vision.out_hidden_size) for m in msg.media]
+            if [tuple(e.shape) for e in embeddings] != shapes:
+                return "the image embeddings do not fit the image placeholders"
+        return None
+
+    def _drop_uncomputable(self) -> list[RequestOutput]:
+        """End the waiting requests that would compute image tokens whose embeddings this
+        engine does not have (a decode worker whose cache lost a preempted request's image
+        blocks): an error beats a wrong answer."""
+        failed = []
+        for req in list(self.scheduler.waiting):
+            if not req.media or self.media.has(req.request_id):
+                continue
+            if self.kv.match_prefix(req).num_tokens < req.media_end:
+                self.scheduler.abort([req.request_id])
+                failed.append(RequestOutput(
+                    req.request_id, [], "error",
+                    error="its image tokens must be recomputed and this worker has no "
+                          "embeddings for them",
+                ))  # fmt: skip
+        return failed
+
     def abort(self, request_ids: list[str]) -> None:
+        self.media.abort(request_ids)
         self.grammars.abort(request_ids)
         self.scheduler.abort(request_ids)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.grammars) or self._inflight is not None
+        return (self.scheduler.has_work or bool(self.grammars) or bool(self.media)
+                or self._inflight is not None)  # fmt: skip
 
     def step(self) -> list[RequestOutput]:
         """One engine step: plan, run, fold the sampled tokens back.
@@ -221,10 +299,17 @@ class EngineCore:
         """
         if self.grammars and not self.scheduler.has_work and self._inflight is None:
             self.grammars.wait(_GRAMMAR_POLL_S)
+        outputs = []
+        if self.media:
+            encoded, failed = self.media.take_ready()
+            for req in encoded:
+                self._admit(req)
+            outputs += failed
         ready, failed = self.grammars.take_ready()
         for req in ready:
             self.scheduler.add(req)
-        outputs = failed
+        outputs += failed
+        outputs += self._drop_uncomputable()
         previous, self._inflight = self._inflight, None
         launched = None
         start = time.perf_counter()
@@ -248,6 +333,9 @@ class EngineCore:
                 outputs += self.scheduler.update(plan, result)
                 host_s += time.perf_counter() - start
             self.scheduler.spec.host_time(host_s)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.media.release(out.request_id)
         return outputs
 
     def _can_run_on(self, plan: StepPlan) -> bool:
@@ -277,7 +365,8 @@ class EngineCore:
         return WorkerReady(role, cache.num_blocks, cache.block_size, self.max_model_len,
                            self.model_name, self.hash_extra, endpoint, self.config.device,
                            cache.num_blocks * self.kv_cache.layout.bytes_per_block,
-                           startup=startup, **group)  # fmt: skip
+                           startup=startup, encodes_images=self.media.encoder is not None,
+                           **group)  # fmt: skip
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

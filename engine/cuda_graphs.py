@@ -108,12 +108,15 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.sizes if b >= batch)
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+    def run(
+        self, chunks: Sequence[ScheduledChunk], offsets: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Logits ``[bucket, V]`` of the step (row i is ``chunks[i]``; rows past
         ``len(chunks)`` are padding). The tensor is the graph's: read it before the next
-        step. Queues work only: never waits for the device."""
+        step. Queues work only: never waits for the device. ``offsets``: what each row's
+        rotary position adds to its token index (M-RoPE past a prompt's images)."""
         bucket = self._buckets[self.bucket_for(len(chunks))]
-        self._fill(bucket, chunks)
+        self._fill(bucket, chunks, offsets)
         self._last = bucket
         if bucket.graph is not None:
             bucket.graph.replay()
@@ -144,7 +147,10 @@ class DecodeGraphs:
         )
         return _Bucket(size, int64, int32, meta)
 
-    def _fill(self, bucket: _Bucket, chunks: Sequence[ScheduledChunk]) -> None:
+    def _fill(
+        self, bucket: _Bucket, chunks: Sequence[ScheduledChunk],
+        offsets: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
         """Write the step's rows into the bucket's buffers, padding the rest."""
         size, n = bucket.size, len(chunks)
         host64 = np.zeros((3, size), dtype=np.int64)  # padding: token 0, position 0, slot 0
@@ -154,7 +160,7 @@ class DecodeGraphs:
         seq_lens[:] = 1  # a padding row attends to the one token it wrote into the null block
         host64[0, :n] = [c.token_ids[0] for c in chunks]
         positions = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
-        host64[1, :n] = positions
+        host64[1, :n] = positions if offsets is None else positions + np.asarray(offsets)
         seq_lens[:n] = positions + 1
         for i, c in enumerate(chunks):
             tables[i, : len(c.block_ids)] = c.block_ids

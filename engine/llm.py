@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.messages import EngineRequest, TokenLogprob
+from engine.messages import EngineRequest, MediaItem, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -30,13 +30,17 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(
-        self, prompts: Sequence[list[int]], sampling: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Completion]:
+        self, prompts: Sequence[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+        media: Sequence[Sequence[MediaItem]] | None = None,
+    ) -> list[Completion]:  # fmt: skip
+        """``media``: each prompt's images (``engine.vision.place_images``)."""
         params = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else sampling
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         results = {rid: Completion() for rid in ids}
-        for rid, prompt, sp in zip(ids, prompts, params):
-            error = self.core.add_request(EngineRequest(rid, list(prompt), sp))
+        images = media or [()] * len(prompts)
+        for rid, prompt, sp, items in zip(ids, prompts, params, images):
+            request = EngineRequest(rid, list(prompt), sp, media=list(items))
+            error = self.core.add_request(request)
             if error is not None:
                 raise ValueError(error.error)
         while self.core.has_work:

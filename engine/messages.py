@@ -25,6 +25,29 @@ from kvstore.events import KVEvent
 from kvstore.transport.base import KVEndpoint
 
 
+class MediaItem(msgspec.Struct, array_like=True, frozen=True):
+    """One image of a prompt: its placeholder tokens ``offset .. offset + length`` (copies
+    of the model's image token), the patch grid the image processor makes of it
+    (``grid``: time, height, width, in patches) and the sha256 of its decoded pixels and
+    the processor's settings (``content_hash``), which enters the block hashes of the
+    blocks holding its tokens. ``data``: the image file itself, when the worker that gets
+    it is to encode it; empty when its embeddings come from an encode worker (or are not
+    needed there: a decode worker's prompt arrives as KV)."""
+
+    content_hash: bytes
+    offset: int
+    length: int
+    grid: tuple[int, int, int]
+    data: bytes = b""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def without_data(self) -> MediaItem:
+        return msgspec.structs.replace(self, data=b"")
+
+
 class EngineRequest(msgspec.Struct, tag=True, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -34,9 +57,14 @@ class EngineRequest(msgspec.Struct, tag=True, frozen=True):
     # tokens already generated for it elsewhere (a request resumed on another worker):
     # computed with the prompt, they count as output (max_tokens, penalties, grammar)
     output_token_ids: list[int] = []
+    media: list[MediaItem] = []  # the prompt's images, by offset
     # the HTTP request it belongs to (its x-request-id), which every worker's log lines
     # about it name; "" when it came from no HTTP request
     trace_id: str = ""
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):
@@ -135,7 +163,7 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     meeting its group's ranks; ``weights``; ``compile``: the first forward, where kernels
     compile; ``graphs``: CUDA graph capture)."""
 
-    role: str  # "engine" | "prefill" | "decode"
+    role: str  # "engine" | "prefill" | "decode" | "encode"
     num_blocks: int
     block_size: int
     max_model_len: int
@@ -148,6 +176,7 @@ class WorkerReady(msgspec.Struct, tag=True, frozen=True):
     rank: int = 0
     group_size: int = 1
     startup: dict[str, float] = {}
+    encodes_images: bool = False  # it runs a vision tower: send it the image files
 
 
 class WorkerFailed(msgspec.Struct, tag=True, frozen=True):

@@ -127,10 +127,12 @@ class DecodeScheduler(Scheduler):
 
     def _missing_tokens(self, req: Request) -> int:
         """Tokens of ``req`` no cache here holds (all of them when it computes its whole
-        prompt: its prompt logprobs are wanted)."""
+        prompt: its prompt logprobs are wanted; or when what is missing holds image
+        tokens: only a prefill worker gets their embeddings)."""
         if req.computes_whole_prompt:
             return req.num_tokens
-        return req.num_tokens - self.kv.match_prefix(req).num_tokens
+        cached = self.kv.match_prefix(req).num_tokens
+        return req.num_tokens if cached < req.media_end else req.num_tokens - cached
 
     def reserve_pending(self) -> list[Request]:
         """Reserve blocks for queued incoming requests, in order, while they fit."""
@@ -174,12 +176,7 @@ class DecodeScheduler(Scheduler):
         req.status = Status.RUNNING
         self.running.append(req)
         self._known_to_runner.add(request_id)
-        self._admitted.append(
-            NewRequest(
-                request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids, req.grammar,
-                output_token_ids=tuple(req.output_token_ids),
-            )
-        )  # fmt: skip
+        self._admitted.append(NewRequest.of(req))
         return out
 
     def schedule(self) -> StepPlan:

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.messages import MediaItem
+    from engine.request import Request
 
 
 @dataclass(frozen=True)
 class NewRequest:
-    """Sent the first time the runner sees a request: what it keeps for sampling."""
+    """Sent the first time the runner sees a request: what it keeps for sampling, and the
+    prompt's images (their positions, and where their embeddings go)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -20,6 +25,13 @@ class NewRequest:
     # tokens generated before this runner first sees the request (a decode worker's first
     # token, sampled by the prefill worker): penalties count them, the matcher replays them
     output_token_ids: tuple[int, ...] = ()
+    media: tuple[MediaItem, ...] = ()
+
+    @classmethod
+    def of(cls, req: Request) -> NewRequest:
+        """What the runner gets of ``req`` (with the tokens it already has as output)."""
+        return cls(req.request_id, req.prompt_token_ids, req.sampling, req.eos_token_ids,
+                   req.grammar, tuple(req.output_token_ids), req.media)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.kv_cache.block_pool import Block
+from engine.messages import MediaItem
 from engine.sampling_params import SamplingParams
-from kvstore.hashing import ROOT_HASH, BlockHash, block_hash
+from kvstore.hashing import ROOT_HASH, BlockHash, MediaSpan, block_extra, block_hash
 
 UNRESOLVED = -1  # an output token sampled by a step that is still running (overlap)
 
@@ -27,7 +28,8 @@ class Request:
 
     ``num_computed_tokens`` counts tokens whose KV sits in ``blocks``; the tokens from
     there to ``num_tokens`` are still to run through the model. After a preemption the
-    count drops to 0 and prompt + output are recomputed.
+    count drops to 0 and prompt + output are recomputed. ``media``: the prompt's images
+    (their content hashes enter the hashes of the blocks that hold their tokens).
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class Request:
     grammar: Any = None  # compiled grammar (engine.structured), set before it is scheduled
     # trailing output tokens that are UNRESOLVED: their step is still running
     num_unresolved: int = 0
+    media: tuple[MediaItem, ...] = ()
     trace_id: str = ""  # the HTTP request it belongs to, for log lines (EngineRequest's)
 
     def __post_init__(self) -> None:
@@ -81,6 +84,16 @@ class Request:
         return self.sampling.prompt_logprobs is not None and not self.output_token_ids
 
     @property
+    def media_spans(self) -> list[MediaSpan]:
+        return [(m.offset, m.end, m.content_hash) for m in self.media]
+
+    @property
+    def media_end(self) -> int:
+        """Tokens up to the end of the last image (0 without images): a worker without
+        their embeddings can compute only what lies beyond."""
+        return max((m.end for m in self.media), default=0)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
@@ -101,5 +114,8 @@ class Request:
             start = len(self.block_hashes) * block_size
             parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             tokens = self.token_ids(start, start + block_size)
-            self.block_hashes.append(block_hash(parent, tokens, self.hash_extra))
+            extra = self.hash_extra
+            if self.media:
+                extra = block_extra(extra, self.media_spans, start, start + block_size)
+            self.block_hashes.append(block_hash(parent, tokens, extra))
         return self.block_hashes[: num_tokens // block_size]

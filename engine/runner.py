@@ -22,6 +22,14 @@ the decode path of every attention backend and replay the decode CUDA graphs by 
 of rows. After the step's tokens are known the ``Drafter`` (``engine.spec``) proposes the
 next drafts; they come back in ``StepResult.proposals``, cut where a request's grammar
 would reject one.
+Images (``NewRequest.media``): a chunk that covers an image's placeholder tokens takes
+their embeddings from ``embeddings(request_id)`` (one tensor per image, in order) and
+hands them to the model as ``Spliced`` rows; a model whose ``rope_table`` places a
+prompt's tokens off their indices (M-RoPE) gets positions ``[streams, T]`` for a step
+that holds such tokens, and ``index + delta`` ([T]) for one whose tokens all lie past
+the last image (decode steps, so their CUDA graphs serve those requests too). Positions
+depend only on the request and the token index, so prefix hits, chunking, preemption and
+a request that arrives with its KV computed elsewhere need nothing special.
 
 Decode-only steps replay a CUDA graph when ``capture_decode_graphs`` has run
 (``engine.cuda_graphs``); other steps run eagerly. Either way the step's forward and its
@@ -34,7 +42,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -42,7 +51,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, RopeTable, Spliced
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import UNRESOLVED
 from engine.sampler import (
@@ -70,6 +79,14 @@ class _RowState:
     # prompt logprobs computed so far: (first position, its rows' logprobs), by position
     prompt_parts: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     prompt_sent: bool = False
+    rope: RopeTable | None = None  # positions that are not token indices (M-RoPE)
+
+    def rope_offset(self, start: int) -> int | None:
+        """What a token at ``start`` or later adds to its index as its position in every
+        stream; None when tokens there have positions of their own."""
+        if self.rope is None:
+            return 0
+        return self.rope.delta if start >= self.rope.linear_from else None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -116,10 +133,14 @@ class _RowState:
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
-    positions: torch.Tensor
+    positions: torch.Tensor  # [T], or [streams, T] when some token has its own (M-RoPE)
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # indices into the step's tokens whose logits are sampled
     sample_ids: list[str]
+    spliced: Spliced | None = None  # image embeddings in place of their tokens' embeddings
+
+
+Embeddings = Callable[[str], "list[torch.Tensor] | None"]
 
 
 class _Clock:
@@ -166,6 +187,9 @@ class _Launched:
 
 
 class ModelRunner:
+    """``embeddings(request_id)``: the embeddings of a request's images, one tensor
+    [tokens, hidden] per image (None when this engine has none for it)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -174,6 +198,7 @@ class ModelRunner:
         block_size: int,
         drafter: Drafter | None = None,
         proposes: bool = True,
+        embeddings: Embeddings | None = None,
     ) -> None:
         """``drafter``: proposes each step's drafts for the next (speculative decoding);
         ``proposes`` False: it only keeps its KV of the step's tokens (a prefill worker's
@@ -184,6 +209,7 @@ class ModelRunner:
         self.block_size = block_size
         self.drafter = drafter
         self.proposes = proposes
+        self.embeddings = embeddings or (lambda request_id: None)
         self.device = next(model.parameters()).device
         self.states: dict[str, _RowState] = {}
         self.graphs: DecodeGraphs | None = None
@@ -346,10 +372,12 @@ class ModelRunner:
         prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
         if not any(prompt_rows):
             chunks = _decode_rows(chunks) or chunks
-        if self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows):
+        offsets = [self.states[c.request_id].rope_offset(c.start_pos) for c in chunks]
+        if (self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows)
+                and None not in offsets):  # fmt: skip
             if not any(c.sample for c in chunks):
                 return torch.empty(0), None
-            logits = self.graphs.run(chunks)
+            logits = self.graphs.run(chunks, offsets if any(offsets) else None)
             self.num_forwards += 1
             hidden = self.graphs.hidden(len(chunks))
             if all(c.sample for c in chunks):
@@ -357,9 +385,8 @@ class ModelRunner:
             rows = [i for i, c in enumerate(chunks) if c.sample]
             return logits[_rows(rows, self.device)], hidden
         inputs = self.prepare(StepPlan(chunks=chunks))
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, ForwardContext(inputs.meta, self.backend)
-        )
+        ctx = ForwardContext(inputs.meta, self.backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx, inputs.spliced)
         self.num_forwards += 1
         if any(prompt_rows):
             self._prompt_logprobs(chunks, prompt_rows, hidden)
@@ -475,23 +502,76 @@ class ModelRunner:
             outputs = list(new.output_token_ids)
             grammar = None if new.grammar is None else GrammarState.resume(new.grammar, outputs)
             state = _RowState(new, generator, outputs, grammar, prompt_sent=bool(outputs))
+            if new.media:
+                state.rope = self.model.rope_table(len(new.prompt_token_ids), new.media)
             self.states[new.request_id] = state
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        """The step's tensors; UNRESOLVED input tokens come from the previous launch."""
-        inputs, host_ids = step_inputs(plan.chunks, self.block_size, self.device)
+        """The step's tensors; UNRESOLVED input tokens come from the previous launch. A
+        model whose rotary positions are not the token indices (M-RoPE past an image) gets
+        its own, and image tokens their embeddings."""
+        chunks = plan.chunks
+        index = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
+        positions = self._rope_positions(chunks, index)
+        inputs, host_ids = step_inputs(chunks, self.block_size, self.device, positions)
         if (host_ids == UNRESOLVED).any():
-            owners = [c.request_id for c in plan.chunks for _ in range(c.num_tokens)]
+            owners = [c.request_id for c in chunks for _ in range(c.num_tokens)]
             self.resolve_inputs(inputs.input_ids, host_ids, owners)
-        return inputs
+        spliced = self._spliced(chunks)
+        return inputs if spliced is None else replace(inputs, spliced=spliced)
+
+    def _rope_positions(self, chunks: list[ScheduledChunk], index: np.ndarray) -> np.ndarray:
+        """The model's positions for the step's tokens (``index``: their token indices):
+        [T] when every token sits at its index + an offset, else [streams, T]."""
+        states = [self.states[c.request_id] for c in chunks]
+        offsets = [s.rope_offset(c.start_pos) for s, c in zip(states, chunks)]
+        if None not in offsets:
+            if not any(offsets):
+                return index.astype(np.int64)
+            lengths = [c.num_tokens for c in chunks]
+            return index + np.repeat(np.array(offsets, dtype=np.int64), lengths)
+        streams = next(s.rope.prompt.shape[0] for s in states if s.rope is not None)
+        parts = []
+        for state, c in zip(states, chunks):
+            if state.rope is not None:
+                parts.append(state.rope.positions(c.start_pos, c.end_pos))
+            else:
+                diagonal = np.arange(c.start_pos, c.end_pos)
+                parts.append(np.broadcast_to(diagonal, (streams, c.num_tokens)))
+        return np.ascontiguousarray(np.concatenate(parts, axis=1), dtype=np.int64)
+
+    def _spliced(self, chunks: list[ScheduledChunk]) -> Spliced | None:
+        """The image embeddings of the step's placeholder tokens, at their rows."""
+        rows, values = [], []
+        base = 0
+        for c in chunks:
+            media = self.states[c.request_id].new.media
+            wanted = [(i, m) for i, m in enumerate(media)
+                      if m.offset < c.end_pos and m.end > c.start_pos]  # fmt: skip
+            if wanted:
+                embeds = self.embeddings(c.request_id)
+                if embeds is None:
+                    raise RuntimeError(f"request {c.request_id}: its image tokens are to be "
+                                       "computed here, but this engine has no embeddings")
+                for i, m in wanted:
+                    first, last = max(m.offset, c.start_pos), min(m.end, c.end_pos)
+                    rows.append(np.arange(first, last) - c.start_pos + base)
+                    values.append(embeds[i][first - m.offset : last - m.offset])
+            base += c.num_tokens
+        if not rows:
+            return None
+        index = _to_device(np.concatenate(rows).astype(np.int64), self.device)
+        return Spliced(index, torch.cat(values).to(self.device))
 
 
 def step_inputs(
-    chunks: list[ScheduledChunk], block_size: int, device: torch.device
-) -> tuple[StepInputs, np.ndarray]:
+    chunks: list[ScheduledChunk], block_size: int, device: torch.device,
+    rope_positions: np.ndarray | None = None,
+) -> tuple[StepInputs, np.ndarray]:  # fmt: skip
     """The tensors of a forward over ``chunks`` (each a sequence's next tokens over its
-    block table): ids, positions, attention metadata, and the rows to sample (each
-    sampling chunk's last ``num_sampled_rows``); also the ids as a host array."""
+    block table): ids, positions (the token indices, or ``rope_positions`` where the model
+    places tokens otherwise), attention metadata, and the rows to sample (each sampling
+    chunk's last ``num_sampled_rows``); also the ids as a host array."""
     bs = block_size
     query_lens = [c.num_tokens for c in chunks]
     seq_lens = [c.end_pos for c in chunks]
@@ -522,7 +602,9 @@ def step_inputs(
     input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
     inputs = StepInputs(
         input_ids=_to_device(input_ids, device),
-        positions=_to_device(positions.astype(np.int64), device),
+        positions=_to_device(
+            (positions if rope_positions is None else rope_positions).astype(np.int64), device
+        ),
         meta=meta,
         sample_rows=_to_device(sample_rows, device),
         sample_ids=[chunks[i].request_id for i in sampled],
@@ -546,7 +628,6 @@ def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
 
 def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
     return _to_device(np.array(rows, dtype=np.int64), device)
-
 
 def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on ``device``; to CUDA from pinned memory, without waiting."""

@@ -129,16 +129,7 @@ class Scheduler:
             budget -= n
             if req.request_id not in self._known_to_runner:
                 self._known_to_runner.add(req.request_id)
-                new_requests.append(
-                    NewRequest(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        req.sampling,
-                        req.eos_token_ids,
-                        req.grammar,
-                        output_token_ids=tuple(req.output_token_ids),  # a resumed request's
-                    )
-                )
+                new_requests.append(NewRequest.of(req))
         return new_requests
 
     def _admit(self, req: Request, match: PrefixMatch) -> None:

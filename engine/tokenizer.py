@@ -466,29 +466,53 @@ _CHATML_TEMPLATE = (
 )
 
 
+# Qwen2-VL's and Qwen2.5-VL's chat template: ChatML, a default system message, and each
+# image part (type image / image_url) as <|vision_start|><|image_pad|><|vision_end|>, the
+# one placeholder the frontend widens to the image's token count.
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
+    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
+    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+
+
 class ByteTokenizer(Tokenizer):
     """One token per UTF-8 byte, for models with random weights.
 
     Ids 0-255 are the bytes; 256-259 are ``<|bos|>``, ``<|eos|>``, ``<|im_start|>`` and
     ``<|im_end|>`` (special). The chat template is ChatML. A model's larger vocabulary
     is covered by decoding any id ≥ 260 as byte ``id % 256``, so every sampled id has
-    text; ``vocab_size`` is the model's.
+    text; ``vocab_size`` is the model's. ``vision``: 260-262 are also
+    ``VISION_TOKENS`` (special) and the template is ``QWEN2_VL_CHAT_TEMPLATE``.
     """
 
     SPECIAL = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
-    NUM_BASE = 256 + len(SPECIAL)
 
-    def __init__(self, vocab_size: int = 256 + len(SPECIAL)) -> None:
+    def __init__(self, vocab_size: int = 260, vision: bool = False) -> None:
         spelling = bytes_to_unicode()
         vocab = {spelling[b]: b for b in range(256)}
         backend = HFTokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
+        special = self.SPECIAL + (VISION_TOKENS if vision else ())
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in self.SPECIAL])  # fmt: skip
-        self._model_vocab_size = max(vocab_size, self.NUM_BASE)
+                                    for t in special])  # fmt: skip
+        self._num_base = 256 + len(special)  # ids of their own; above them, bytes again
+        self._model_vocab_size = max(vocab_size, self._num_base)
+        template = QWEN2_VL_CHAT_TEMPLATE if vision else _CHATML_TEMPLATE
         super().__init__(
-            backend, bos_token="<|bos|>", eos_token="<|eos|>", chat_template=_CHATML_TEMPLATE,
+            backend, bos_token="<|bos|>", eos_token="<|eos|>", chat_template=template,
             extra_eos_token_ids=(259,),
         )  # fmt: skip
 
@@ -497,7 +521,7 @@ class ByteTokenizer(Tokenizer):
         return self._model_vocab_size
 
     def _base_id(self, token_id: int) -> int:
-        return token_id if token_id < self.NUM_BASE else token_id % 256
+        return token_id if token_id < self._num_base else token_id % 256
 
     def id_to_piece(self, token_id: int) -> str | None:
         if not 0 <= token_id < self._model_vocab_size:

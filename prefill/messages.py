@@ -5,6 +5,13 @@ Frontend → worker: ``PrefillRequest`` (a request and where its KV goes), ``Abo
 Worker → frontend: exactly one ``PrefillDone`` or ``PrefillFailed`` per request, sent
 only when none of its sends is still running (the decode worker waits for it before it
 frees the blocks it reserved).
+
+A request whose images are encoded by encode workers (its ``MediaItem``s carry no files)
+first gets inbox blocks reserved for their embeddings: the worker answers
+``EmbeddingsWanted`` (one destination and transfer id per image), the frontend has encode
+workers write them and answers *every* image with ``EmbeddingsReady`` or
+``EmbeddingsFailed`` (also when the client has left): only then, or past the
+destination's deadline and a grace period, are those blocks given back.
 """
 
 from __future__ import annotations
@@ -52,4 +59,29 @@ class PrefillFailed(msgspec.Struct, tag=True, frozen=True):
     retry: bool = False  # the request itself is fine: another prefill worker may do it
 
 
-CODEC = Codec((PrefillRequest,), (PrefillDone, PrefillFailed))
+class EmbeddingsWanted(msgspec.Struct, tag=True, frozen=True):
+    """The request's images go into these inbox blocks, in order: image ``i`` into
+    ``destinations[i]``, sent under ``transfer_ids[i]``."""
+
+    request_id: str
+    destinations: list[KVDestination]
+    transfer_ids: list[str]
+
+
+class EmbeddingsReady(msgspec.Struct, tag=True, frozen=True):
+    """Image ``index``'s embeddings have been written into its destination."""
+
+    request_id: str
+    index: int
+
+
+class EmbeddingsFailed(msgspec.Struct, tag=True, frozen=True):
+    """No embeddings are coming for image ``index`` (nor is any write into its blocks)."""
+
+    request_id: str
+    index: int
+    error: str
+
+
+CODEC = Codec((PrefillRequest, EmbeddingsReady, EmbeddingsFailed),
+              (PrefillDone, PrefillFailed, EmbeddingsWanted))  # fmt: skip

@@ -16,6 +16,11 @@ frees its reservation on either.
 
 A prefill worker may be one rank of an expert-parallel group (``WorkerConfig.group``),
 as a decode worker may (``engine.ep.role.GroupedRole``).
+
+Images: when the worker has no vision tower of its own (an encode pool encodes them),
+a request with images waits in ``prefill.embeddings.EmbeddingWaits`` until encode workers
+have written their embeddings into this worker's inbox, and enters the engine with them;
+with a tower (no encode pool), its items carry the files and the engine encodes them.
 """
 
 from __future__ import annotations
@@ -26,18 +31,28 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
+import torch
 
 from engine import logs
 from engine.core import EngineCore
 from engine.ep.role import GroupedRole
 from engine.kv_cache.block_pool import Block
+from engine.media import EmbeddingInbox, blocks_for, embedding_layout
 from engine.messages import Abort, EngineRequest, RequestOutput, WorkerReady, WorkerStats
 from engine.pd_scheduler import PREFILLED, PrefillScheduler
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, main
-from kvstore.transport import TransferStats, get_transport
+from kvstore.transport import KVTransport, TransferStats, get_transport
 from kvstore.transport.base import KVDestination
-from prefill.messages import CODEC, PrefillDone, PrefillFailed, PrefillRequest
+from prefill.embeddings import EmbeddingWaits
+from prefill.messages import (
+    CODEC,
+    EmbeddingsFailed,
+    EmbeddingsReady,
+    PrefillDone,
+    PrefillFailed,
+    PrefillRequest,
+)
 
 log = logging.getLogger("ferry.prefill")
 
@@ -78,11 +93,27 @@ class PrefillWorker(GroupedRole):
         transport = get_transport(config.transfer.transport, secret=secret)
         self.sender = transport.sender(self.core.kv_cache)
         self.timeout = config.transfer.timeout_s
+        self.waits = self._embedding_waits(config, transport)
         self.shipments: dict[str, _Shipment] = {}
         self.tokens_per_s = 0.0
         self._out = Outbox()
         self._stepped = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send")
+
+    def _embedding_waits(
+        self, config: WorkerConfig, transport: KVTransport
+    ) -> EmbeddingWaits | None:
+        """Where encode workers write this worker's image embeddings: an inbox for two
+        contexts' worth of image tokens (None: a text model, or a tower of its own)."""
+        vision = self.core.model_config.vision
+        if vision is None or self.core.media.encoder is not None:
+            return None
+        dtype = self.core.kv_cache.layout.dtype
+        layout = embedding_layout(vision.out_hidden_size, dtype)
+        num_blocks = 2 * blocks_for(self.core.max_model_len, layout.block_size) + 1
+        inbox = EmbeddingInbox(transport, layout, num_blocks, config.engine.device,
+                               config.transfer.kv_host)  # fmt: skip
+        return EmbeddingWaits(inbox, self.timeout, config.name or f"prefill-{id(self):x}")
 
     def ready(self) -> WorkerReady:
         return self.core.ready(self.role, **self.group_ready())
@@ -97,7 +128,9 @@ class PrefillWorker(GroupedRole):
 
     @property
     def settled(self) -> bool:
-        return not self.core.has_work and not self.sending and not self.sched.num_transferring
+        waiting = self.waits is not None and self.waits.pending
+        return (not self.core.has_work and not self.sending and not self.sched.num_transferring
+                and not waiting)  # fmt: skip
 
     @property
     def wait_ms(self) -> int:
@@ -111,12 +144,23 @@ class PrefillWorker(GroupedRole):
             for rid in msg.request_ids:
                 self._abort(rid)
             return None
-        self._add(msg)
+        if isinstance(msg, EmbeddingsReady | EmbeddingsFailed):
+            if self.waits is not None:
+                if isinstance(msg, EmbeddingsReady):
+                    self.waits.ready(msg.request_id, msg.index)
+                else:
+                    self.waits.failed(msg.request_id, msg.index, msg.error)
+            return None
+        media = msg.request.media
+        if self.waits is not None and media and not media[0].data:
+            self.waits.add(msg)  # enters the engine once its embeddings are here
+        else:
+            self._add(msg)
         return msg.request
 
-    def _add(self, msg: PrefillRequest) -> None:
+    def _add(self, msg: PrefillRequest, embeddings: list[torch.Tensor] | None = None) -> None:
         request = msg.request
-        err = self.core.add_request(request)
+        err = self.core.add_request(request, embeddings)
         if err is not None:
             self._out.replies.append((PrefillFailed(request.request_id, err.error), True))
             return
@@ -125,6 +169,9 @@ class PrefillWorker(GroupedRole):
                                                        trace_id=request.trace_id)  # fmt: skip
 
     def _abort(self, rid: str) -> None:
+        if self.waits is not None and rid in self.waits:
+            self.waits.cancel(rid)
+            return
         ship = self.shipments.get(rid)
         if ship is not None and ship.failure is None:
             self._stop(rid, ship, PrefillFailed(rid, "aborted", aborted=True))
@@ -159,13 +206,28 @@ class PrefillWorker(GroupedRole):
         return self._report()
 
     def _report(self) -> Outbox:
-        """Collect the sends that have ended; report requests whose KV is settled."""
+        """Collect the sends that have ended; report requests whose KV is settled; move
+        requests whose image embeddings have arrived into the engine."""
         self._collect()
+        if self.waits is not None:
+            self._take_embeddings()
         out, self._out = self._out, Outbox()
         if out.replies or self._stepped:
             out.stats = self.stats()
         self._stepped = False
         return out
+
+    def _take_embeddings(self) -> None:
+        assert self.waits is not None
+        ready, failures = self.waits.take()
+        for request, embeddings in ready:
+            self._add(request, embeddings)
+        for f in failures:
+            failed = PrefillFailed(f.request_id, f.error, aborted=f.aborted)
+            self._out.replies.append((failed, True))
+        for wanted in self.waits.reserve():
+            self._out.replies.append((wanted, False))
+        self._stepped |= bool(ready or failures)
 
     def _measure(self, before: dict[str, int | None], seconds: float) -> None:
         """Fold this step's prompt tokens per second into the moving average."""
@@ -260,11 +322,15 @@ class PrefillWorker(GroupedRole):
 
     def check_integrity(self) -> None:
         self.core.check_integrity()
+        if self.waits is not None:
+            self.waits.check_integrity()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.sender.close()
         super().close()
+        if self.waits is not None:
+            self.waits.close()
 
 
 if __name__ == "__main__":

@@ -18,6 +18,13 @@ A request, seen from here:
    frees the reserved blocks only then.
 4. D streams the outputs from the second token on into the request's queue.
 
+Images: the request's ``MediaItem``s (with their files) stay here. The decode worker gets
+them without the files (it needs only their positions: its prompt arrives as KV, and it
+never computes a tail that holds image tokens itself). A prefill worker that runs a vision
+tower (``WorkerReady.encodes_images``: there is no encode pool) gets the files; one that
+does not asks for the embeddings (``EmbeddingsWanted``) and ``router.encoding`` has the
+encode pool write them into its inbox.
+
 Failures: a prefill that fails for a reason other than the request itself (its worker
 died, the transfer broke) is retried on another prefill worker, into the same reserved
 blocks. When a decode worker dies, each of its requests *migrates*: another decode
@@ -34,23 +41,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from decode.messages import DecodeRequest, KVFailed, KVReady, KVWanted
+from encode.messages import Encoded, EncodeFailed
 from engine import logs
 from engine.client import EngineDeadError, offer, outputs_of
 from engine.config import EngineConfig
-from engine.loader import load_tokenizer, model_name
-from engine.messages import Abort, EngineRequest, EngineStats, Outputs, RequestOutput
+from engine.loader import load_image_inputs, load_tokenizer, model_name
+from engine.messages import Abort, EngineRequest, EngineStats, MediaItem, Outputs, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.vision import ImageInputs
 from kvstore import auth
-from kvstore.hashing import BlockHash
-from prefill.messages import PrefillDone, PrefillFailed, PrefillRequest
+from kvstore.hashing import BlockHash, MediaSpan
+from prefill.messages import EmbeddingsWanted, PrefillDone, PrefillFailed, PrefillRequest
 from router.config import PDConfig
-from router.metrics import TransferMetrics
+from router.encoding import Encoding
+from router.metrics import EncodeMetrics, TransferMetrics
 from router.pools import WorkerPools
 from router.routing import Router
 from router.workers import WorkerProcess
@@ -71,6 +81,7 @@ class _Route:
     hashes: list[BlockHash]
     decode: WorkerProcess
     queue: asyncio.Queue
+    media: list[MediaItem] = field(default_factory=list)  # the prompt's images, with files
     emitted: list[int] = field(default_factory=list)  # tokens already given to the client
     attempt: int = 0
     predicted_hit: int = 0  # tokens the index said the chosen workers hold
@@ -82,10 +93,16 @@ class _Route:
     def wire_id(self) -> str:
         return self.request_id if not self.attempt else f"{self.request_id}~{self.attempt}"
 
-    def engine_request(self, wire_id: str) -> EngineRequest:
-        """The request as a worker gets it: a resumed one carries what was streamed."""
+    @property
+    def spans(self) -> list[MediaSpan]:
+        return [(m.offset, m.end, m.content_hash) for m in self.media]
+
+    def engine_request(self, wire_id: str, files: bool = False) -> EngineRequest:
+        """The request as a worker gets it: a resumed one carries what was streamed;
+        ``files``: its images with their files (for a worker that encodes them)."""
+        media = self.media if files else [m.without_data() for m in self.media]
         return EngineRequest(wire_id, self.prompt, self.sampling, self.arrival,
-                             output_token_ids=list(self.emitted),
+                             output_token_ids=list(self.emitted), media=media,
                              trace_id=self.trace_id)  # fmt: skip
 
 
@@ -110,12 +127,15 @@ class DisaggClient:
             raise ValueError("the nccl KV transport needs GPU workers (--device cuda)")
         self.config = config
         self.tokenizer = None
+        self.images: ImageInputs | None = None
         self.transfers = TransferMetrics()
+        self.encode_metrics = EncodeMetrics()
         self.router = Router(pd.policy, config.cache.block_size)
         self.router_metrics = self.router.metrics
         self.index = self.router.index
         self.pools = WorkerPools(config, pd, secret or auth.make_secret(), self.router,
                                  self.transfers, self)  # fmt: skip
+        self.encoding = Encoding(self.pools, self.router, self.encode_metrics)
         self._routes: dict[str, _Route] = {}  # by the client's request id
         self._wire: dict[str, _Route] = {}  # by the id of the current attempt
         self._pending: dict[str, _Transfer] = {}  # by wire id
@@ -127,9 +147,11 @@ class DisaggClient:
         """Spawn the configured workers (there may be none: workers can also join at
         runtime, ``add_worker``) and wait until they are ready."""
         tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, self.config.model))
+        images = asyncio.create_task(asyncio.to_thread(load_image_inputs, self.config.model))
         self.pools.model_name = model_name(self.config.model)  # until a worker says
         await self.pools.start(timeout)
         self.tokenizer = await tokenizer
+        self.images = await images
 
     async def shutdown(self) -> None:
         await self.pools.shutdown()
@@ -163,7 +185,7 @@ class DisaggClient:
 
     def collectors(self) -> list:
         return [*self.transfers.collectors(), *self.router_metrics.collectors(),
-                *self.pools.collectors()]  # fmt: skip
+                *self.encode_metrics.collectors(), *self.pools.collectors()]  # fmt: skip
 
     @property
     def num_in_flight(self) -> int:
@@ -180,16 +202,20 @@ class DisaggClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-        trace_id: str = "",
+        media: Sequence[MediaItem] = (), trace_id: str = "",
     ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Stream the request's outputs; the last has ``finish_reason``. Leaving early
-        aborts it on both workers."""
+        aborts it on every worker. ``media``: the prompt's images, with their files."""
         if request_id in self._routes:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        hashes = self.router.hashes(prompt_token_ids)
+        media = list(media)
+        if media:
+            self._check_encoders()
+        spans = [(m.offset, m.end, m.content_hash) for m in media]
+        hashes = self.router.hashes(prompt_token_ids, spans)
         decode = self._choose_decode(hashes, len(prompt_token_ids))
         route = _Route(request_id, prompt_token_ids, sampling, time.time(), hashes, decode,
-                       asyncio.Queue(), trace_id=trace_id)  # fmt: skip
+                       asyncio.Queue(), media, trace_id=trace_id)  # fmt: skip
         self._routes[request_id] = route
         self._dispatch(route)
         finished = False
@@ -201,6 +227,16 @@ class DisaggClient:
             self._close(route)
             if not finished:
                 self._abort(route)
+
+    def _check_encoders(self) -> None:
+        """Raise ``EngineDeadError`` when nothing live can encode images: no encode worker,
+        and no prefill worker with a vision tower of its own."""
+        if self.pools.live("encode"):
+            return
+        if any(w.ready is not None and w.ready.encodes_images for w in self.pools.live("prefill")):
+            return
+        raise EngineDeadError("no live encode worker (and no prefill worker that encodes "
+                              "images itself)")  # fmt: skip
 
     def _choose_decode(
         self, hashes: list[BlockHash], num_tokens: int, exclude: WorkerProcess | None = None
@@ -237,6 +273,8 @@ class DisaggClient:
         pending = self._pending.get(wid)
         if pending is not None:
             pending.prefill.send(Abort([wid]))
+        if route.media:
+            self.encoding.abort(wid)
 
     # -- worker messages --------------------------------------------------------------------
 
@@ -247,6 +285,14 @@ class DisaggClient:
             self._want_kv(worker, msg)
         elif isinstance(msg, PrefillDone | PrefillFailed):
             self._prefilled(worker, msg)
+        elif isinstance(msg, EmbeddingsWanted):
+            route = self._wire.get(msg.request_id)
+            if route is None:
+                self.encoding.want(worker, msg, None)
+            else:
+                self.encoding.want(worker, msg, route.media, route.trace_id)
+        elif isinstance(msg, Encoded | EncodeFailed):
+            self.encoding.received(worker, msg)
 
     def _decoded(self, worker: WorkerProcess, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -299,6 +345,7 @@ class DisaggClient:
         engine_request = request.request
         num_tokens = len(engine_request.prompt_token_ids) + len(engine_request.output_token_ids)
         prefill, hit = self.router.choose("prefill", live, hashes, num_tokens)
+        request = self._with_files(request, prefill)
         queued = max(0, num_tokens - hit)
         prefill.inflight += 1
         prefill.queued_tokens += queued
@@ -307,6 +354,15 @@ class DisaggClient:
         if route is not None:
             route.predicted_hit = max(route.predicted_hit, hit)
         prefill.send(request)
+
+    def _with_files(self, request: PrefillRequest, prefill: WorkerProcess) -> PrefillRequest:
+        """``request`` as ``prefill`` takes it: with the image files if it encodes them."""
+        route = self._wire.get(request.request_id)
+        if route is None or not route.media:
+            return request
+        files = prefill.ready is not None and prefill.ready.encodes_images
+        engine_request = route.engine_request(request.request_id, files=files)
+        return msgspec.structs.replace(request, request=engine_request)
 
     def _settle(self, wid: str) -> _Transfer:
         transfer = self._pending.pop(wid)
@@ -366,6 +422,9 @@ class DisaggClient:
         mine += [w for w, r in self._wire.items() if r.decode is worker]
         if worker.dead is None:  # only silent: it may come back with these still running
             self._left[worker.name] = mine
+        self.encoding.died(worker)
+        if worker.role == "encode":
+            return
         if worker.role == "decode":
             self._decode_died(worker)
         else:
@@ -391,7 +450,7 @@ class DisaggClient:
         if route.finished:
             return
         context = route.prompt + route.emitted
-        hashes = self.router.hashes(context)
+        hashes = self.router.hashes(context, route.spans)
         try:
             if route.attempt + 1 >= MAX_ATTEMPTS:
                 raise EngineDeadError(f"gave up after {MAX_ATTEMPTS} attempts")

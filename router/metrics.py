@@ -93,6 +93,51 @@ class RouterMetrics:
                 self.actual_hit_tokens, self.retries, self.migrations]  # fmt: skip
 
 
+_ENCODE_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+
+
+class EncodeMetrics:
+    """The encode pool, as this frontend sees its images end (``router.encoding``)."""
+
+    def __init__(self) -> None:
+        self.images = Counter("ferry_encode_images", "Images an encode worker delivered, by "
+                              "where their embeddings came from (encoded now: none; its "
+                              "cache: memory, file)", ["cache"], registry=None)  # fmt: skip
+        self.cache_hits = Counter("ferry_encode_cache_hits", "Images served from an encode "
+                                  "worker's embedding cache", ["tier"], registry=None)  # fmt: skip
+        self.seconds = Histogram(
+            "ferry_encode_seconds", "From sending an image to an encode worker until its "
+            "embeddings are in the prefill worker", buckets=_ENCODE_BUCKETS, registry=None,
+        )  # fmt: skip
+        self.compute_seconds = Histogram(
+            "ferry_encode_compute_seconds", "An image's share of decoding, preprocessing "
+            "and the vision tower (images encoded now)", buckets=_ENCODE_BUCKETS,
+            registry=None,
+        )  # fmt: skip
+        self.bytes = Counter("ferry_encode_transfer_bytes", "Embedding bytes moved from "
+                             "encode to prefill workers", registry=None)  # fmt: skip
+        self.failures = Counter("ferry_encode_failures", "Images no encode worker delivered",
+                                registry=None)  # fmt: skip
+        self.retries = Counter("ferry_encode_retries", "Images sent to another encode worker "
+                               "after one failed or died", registry=None)  # fmt: skip
+
+    def delivered(self, cache: str, seconds: float, compute_seconds: float,
+                  num_bytes: int) -> None:  # fmt: skip
+        self.images.labels(cache or "none").inc()
+        if cache:
+            self.cache_hits.labels(cache).inc()
+        else:
+            self.compute_seconds.observe(compute_seconds)
+        self.seconds.observe(seconds)
+        self.bytes.inc(num_bytes)
+
+    def collectors(self) -> list[Collector]:
+        return [self.images, self.cache_hits, self.seconds, self.compute_seconds, self.bytes,
+                self.failures, self.retries]  # fmt: skip
+
+
 class WorkerQueueCollector(Collector):
     """Per-worker queue depths and health, read from the workers' latest stats."""
 

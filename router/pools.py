@@ -1,4 +1,5 @@
-"""The frontend's prefill and decode pools: which workers there are, and their state.
+"""The frontend's prefill, decode and encode pools: which workers there are, and their
+state.
 
 Workers are spawned by this frontend (``start``), attached when they announce themselves
 (``add_worker``: ``POST /internal/workers``) or found in the Redis registry
@@ -8,7 +9,10 @@ that serves another model is turned away. Every message a worker sends passes th
 here first: its stats update the worker's load and health figures and its KV events
 feed the prefix index (unless Redis does), then the request protocol
 (``router.disagg``) gets what is about requests. A dead worker leaves rotation and the
-index before the protocol hears of it.
+index before the protocol hears of it. Encode workers (``encode.worker``) set none of the
+model facts, and count neither for the context length nor in the summed stats: they are
+checked to serve the model the others serve, and their block events (the embeddings they
+hold) feed the same index.
 
 **Expert-parallel groups** (``PDConfig.decode_ep`` / ``prefill_ep``, or ranks that say so
 in their ready message): each rank is a worker of its own here — its own channel, prefix
@@ -38,7 +42,9 @@ import zmq.asyncio
 from prometheus_client import Counter
 
 from decode.messages import CODEC as DECODE
+from encode.messages import CODEC as ENCODE
 from engine.config import EngineConfig
+from engine.media import EMBED_BLOCK_SIZE
 from engine.messages import EngineStats, stats_of
 from engine.worker.config import GroupMember, WorkerConfig
 from prefill.messages import CODEC as PREFILL
@@ -50,7 +56,11 @@ from router.workers import WorkerProcess
 
 log = logging.getLogger("ferry.router")
 
-ROLES = {"prefill": ("prefill.worker", PREFILL), "decode": ("decode.worker", DECODE)}
+ROLES = {
+    "prefill": ("prefill.worker", PREFILL),
+    "decode": ("decode.worker", DECODE),
+    "encode": ("encode.worker", ENCODE),
+}
 
 
 class PoolEvents(Protocol):
@@ -95,6 +105,8 @@ class WorkerPools:
         self.decode: list[WorkerProcess] = []
         self.groups: dict[str, list[WorkerProcess]] = {}  # group name -> its ranks, in order
         self._regrouping: set[str] = set()  # groups being started again
+        self.encode: list[WorkerProcess] = []
+        self.embed_block_size = EMBED_BLOCK_SIZE  # an encode worker's, once one is ready
         self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._tmp = tempfile.mkdtemp(prefix="ferry-")
         self._ctx = zmq.asyncio.Context()
@@ -104,12 +116,19 @@ class WorkerPools:
 
     @property
     def workers(self) -> list[WorkerProcess]:
+        return [*self.prefill, *self.decode, *self.encode]
+
+    @property
+    def engines(self) -> list[WorkerProcess]:
+        """The prefill and decode workers: those that run the language model."""
         return [*self.prefill, *self.decode]
+
+    def pool(self, role: str) -> list[WorkerProcess]:
+        return {"prefill": self.prefill, "decode": self.decode, "encode": self.encode}[role]
 
     def live(self, role: str, exclude: WorkerProcess | None = None) -> list[WorkerProcess]:
         """The workers of ``role`` that take new requests."""
-        pool = self.prefill if role == "prefill" else self.decode
-        return [w for w in pool if w.alive and not w.draining and w is not exclude]
+        return [w for w in self.pool(role) if w.alive and not w.draining and w is not exclude]
 
     # -- membership ----------------------------------------------------------------------
 
@@ -120,8 +139,9 @@ class WorkerPools:
         pd = self.pd
         plan = [("prefill", pd.prefill_ep)] * pd.num_prefill
         plan += [("decode", pd.decode_ep)] * pd.num_decode
+        plan += [("encode", 1)] * pd.num_encode
         devices = iter(worker_devices(self.config.device, sum(size for _, size in plan)))
-        counts = {"prefill": 0, "decode": 0}
+        counts = dict.fromkeys(ROLES, 0)
         started = []
         for role, size in plan:
             name = f"{role[0]}{counts[role]}"
@@ -133,7 +153,7 @@ class WorkerPools:
                 worker = self._handle(rank_name, role)
                 started.append(worker.spawn(ROLES[role][0], config, self._tmp, timeout,
                                             self._secret))  # fmt: skip
-                self._pool(role).append(worker)
+                self.pool(role).append(worker)
         await asyncio.gather(*started)
         for worker in self.workers:
             self._enlist(worker)
@@ -142,9 +162,6 @@ class WorkerPools:
                                             self._set_draining)  # fmt: skip
             self._directory_task = asyncio.create_task(self.directory.run())
 
-    def _pool(self, role: str) -> list[WorkerProcess]:
-        return self.prefill if role == "prefill" else self.decode
-
     def _specs(self, role: str, name: str, devices: list[str]) -> list[tuple[str, WorkerConfig]]:
         """(name, config) of each process of the worker ``name``: one, or the ranks of an
         expert-parallel group on ``devices`` (one each), which meet through a fresh
@@ -152,7 +169,8 @@ class WorkerPools:
         pd = self.pd
 
         def config(device: str, worker: str, group: GroupMember | None = None) -> WorkerConfig:
-            return WorkerConfig(role, self.config.replace(device=device), pd.transfer,
+            engine = self.config.replace(device=device, vision=self._encodes(role))
+            return WorkerConfig(role, engine, pd.transfer,
                                 name=worker, redis_url=pd.redis_url, group=group)  # fmt: skip
 
         if len(devices) == 1:
@@ -168,6 +186,12 @@ class WorkerPools:
             ranks.append((f"{name}/r{rank}", config(device, f"{name}/r{rank}", member)))
         return ranks
 
+    def _encodes(self, role: str) -> bool:
+        """Whether a spawned worker of ``role`` runs the vision tower: the encode workers;
+        the prefill workers when there are none (they encode their images themselves);
+        never the decode workers (they get the prompt's KV)."""
+        return role == "encode" or (role == "prefill" and self.pd.num_encode == 0)
+
     def _handle(self, name: str, role: str) -> WorkerProcess:
         worker = WorkerProcess(name, role, ROLES[role][1], self._ctx,
                                self.frontend_id.encode(), self._secret)  # fmt: skip
@@ -179,7 +203,7 @@ class WorkerPools:
         it takes requests once it is ready. A worker of the same name that is still
         alive is kept (a repeated registration); a dead one is replaced."""
         if role not in ROLES:
-            raise ValueError(f"a worker's role is prefill or decode, not {role!r}")
+            raise ValueError(f"a worker's role is one of {sorted(ROLES)}, not {role!r}")
         old = next((w for w in self.workers if w.name == name), None)
         if (old is not None and old.alive) or name in self._joining:
             return old
@@ -196,10 +220,10 @@ class WorkerPools:
         finally:
             self._joining.discard(name)
         if old is not None:
-            for pool in (self.prefill, self.decode):
-                if old in pool:
-                    pool.remove(old)
-        self._pool(role).append(worker)
+            for group in (self.prefill, self.decode, self.encode):
+                if old in group:
+                    group.remove(old)
+        self.pool(role).append(worker)
         self._enlist(worker)
         log.info("%s worker %s joined from %s", role, name, address)
         return worker
@@ -222,14 +246,16 @@ class WorkerPools:
                 w.draining = True
 
     def _enlist(self, worker: WorkerProcess) -> None:
-        """Take a ready worker into rotation: the first one sets the model facts; a rank
-        of a group joins the group's list."""
+        """Take a ready worker into rotation: the first prefill or decode worker sets the
+        model facts; a rank of a group joins the group's list."""
         ready = worker.ready
         if worker.group:
             ranks = self.groups.setdefault(worker.group, [])
             ranks[:] = sorted([r for r in ranks if r.name != worker.name] + [worker],
                               key=lambda r: r.rank)  # fmt: skip
-        if not self.facts_set:
+        if worker.role == "encode":
+            self.embed_block_size = ready.block_size
+        elif not self.facts_set:
             self.block_size = self.router.block_size = ready.block_size
             self.router.hash_extra = ready.hash_extra
             self.model_name = ready.model_name
@@ -240,6 +266,12 @@ class WorkerPools:
     def _refusal(self, worker: WorkerProcess) -> str | None:
         """Why a ready worker cannot join the workers in rotation, if it cannot."""
         ready = worker.ready
+        if worker.role == "encode" or ready.role == "encode":
+            if ready.role != worker.role:
+                return f"{worker.name} announced itself as {worker.role}, is {ready.role}"
+            if self.model_name and ready.model_name != self.model_name:
+                return f"{worker.name} encodes for {ready.model_name}, not {self.model_name}"
+            return None
         if self.facts_set and (ready.block_size, ready.hash_extra) != (
             self.block_size, self.router.hash_extra
         ):  # fmt: skip
@@ -247,8 +279,8 @@ class WorkerPools:
         return None
 
     def _sized(self) -> None:
-        """Context length and block count from the workers in rotation."""
-        live = [w for w in self.workers if w.alive and w.ready is not None]
+        """Context length and block count from the prefill and decode workers in rotation."""
+        live = [w for w in self.engines if w.alive and w.ready is not None]
         self.max_model_len = min((w.ready.max_model_len for w in live), default=0)
         self.num_blocks = sum(w.ready.num_blocks for w in live)
 
@@ -361,7 +393,7 @@ class WorkerPools:
             await asyncio.gather(*(w.shutdown() for w in fresh), return_exceptions=True)
             raise
         for old, new in zip(dead, fresh):
-            self._swap(self._pool(role), old, new)
+            self._swap(self.pool(role), old, new)
         self.groups[group] = fresh
         failure = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if failure is not None:
@@ -391,7 +423,7 @@ class WorkerPools:
             return
         module, config = dead.spec
         worker = self._handle(dead.name, dead.role)
-        pool = self._pool(dead.role)
+        pool = self.pool(dead.role)
         try:
             await worker.spawn(module, config, self._tmp, self.start_timeout, self._secret)
         except asyncio.CancelledError:  # the frontend is shutting down meanwhile
@@ -452,9 +484,10 @@ class WorkerPools:
 
     @property
     def stats(self) -> EngineStats:
-        """The live workers' latest stats, summed (what the single-engine metrics show)."""
+        """The live prefill and decode workers' latest stats, summed (what the
+        single-engine metrics show)."""
         total: dict[str, Any] = {}
-        for s in (w.stats for w in self.workers if w.alive and w.stats is not None):
+        for s in (w.stats for w in self.engines if w.alive and w.stats is not None):
             for k, v in msgspec.structs.asdict(s).items():
                 total[k] = _add(total.get(k), v)
         return EngineStats(**total)

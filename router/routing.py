@@ -11,10 +11,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.hashing import BlockHash, hash_chain
+from kvstore.hashing import BlockHash, MediaSpan, hash_chain
 from router.index import PrefixIndex
 from router.metrics import RouterMetrics
-from router.policies import Candidate, get_policy
+from router.policies import POOLS, Candidate, get_policy
 
 
 class Router:
@@ -23,24 +23,28 @@ class Router:
         metrics: RouterMetrics | None = None, index: PrefixIndex | None = None,
     ) -> None:  # fmt: skip
         self.index = index if index is not None else PrefixIndex()
-        self.policies = {role: get_policy(policy, role) for role in ("prefill", "decode")}
+        self.policies = {role: get_policy(policy, role) for role in POOLS}
         self.block_size = block_size
         self.hash_extra = hash_extra
         self.metrics = metrics or RouterMetrics(policy)
 
-    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        """The block chain a worker can have cached of a request with these tokens: every
-        full block before the last token (which is always computed)."""
-        return hash_chain(tokens[:-1], self.block_size, self.hash_extra)
+    def hashes(self, tokens: Sequence[int], media: Sequence[MediaSpan] = ()) -> list[BlockHash]:
+        """The block chain a worker can have cached of a request with these tokens (and
+        images, ``media``): every full block before the last token (which is always
+        computed)."""
+        return hash_chain(tokens[:-1], self.block_size, self.hash_extra, media=media)
 
     def choose(
-        self, role: str, workers: Sequence[Any], hashes: Sequence[BlockHash], num_tokens: int
-    ) -> tuple[Any, int]:
+        self, role: str, workers: Sequence[Any], hashes: Sequence[BlockHash], num_tokens: int,
+        block_size: int | None = None,
+    ) -> tuple[Any, int]:  # fmt: skip
         """A worker of the ``role`` pool (``workers``: non-empty, all live) and the tokens of
-        the request its caches hold, as the index knows them."""
+        the request its caches hold, as the index knows them (``block_size``: tokens per
+        hash, the KV block size unless given: an encode worker's embedding blocks)."""
         started = time.perf_counter()
+        size = block_size or self.block_size
         hits = self.index.match(hashes, [w.name for w in workers])
-        candidates = [candidate(w, hits[w.name] * self.block_size) for w in workers]
+        candidates = [candidate(w, min(hits[w.name] * size, num_tokens)) for w in workers]
         i = self.policies[role].select(candidates, num_tokens)
         self.metrics.decided(role, time.perf_counter() - started)
         return workers[i], candidates[i].hit_tokens

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from encode.inputs import MediaLimits
 from server.body import DEFAULT_MAX_BODY_MB
 
 # A request that sets no max_tokens stops here: minutes at CPU speeds, not a worker held
@@ -31,6 +32,8 @@ class ServerConfig:
     finish before they end with an error.
     ``internal_host`` / ``internal_port``: the control plane's own listener
     (``server.control``; port None: the public port + 1, or a free one with port 0).
+    ``media``: what a request's images may be, and the hosts image URLs are fetched from
+    (``encode.inputs``).
     """
 
     host: str = "127.0.0.1"
@@ -48,6 +51,7 @@ class ServerConfig:
     request_timeout_s: float = 600.0
     internal_host: str = "127.0.0.1"
     internal_port: int | None = None
+    media: MediaLimits = field(default_factory=MediaLimits)
 
     @property
     def control_port(self) -> int:

@@ -35,7 +35,7 @@ MAX_BODY_BYTES = 64 << 10
 
 class WorkerAnnouncement(BaseModel):
     name: str = Field(min_length=1, max_length=200)
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "encode"]
     address: str = Field(pattern=r"^(tcp|ipc)://.+", max_length=500)
 
 

@@ -81,13 +81,27 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    """Where an image is: a ``data:image/...;base64,`` URL, or an http(s) URL of a host
+    the server fetches from (``encode.inputs``). ``detail`` is accepted and has no effect:
+    the model sees the image at the resolution its processor chooses."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class OtherPart(_Request):
-    """A content part ferry does not handle (images, audio...); rejected while serving."""
+    """A content part ferry does not handle (audio, files...); rejected while serving."""
 
     type: str
 
 
-ContentPart = Annotated[TextPart | OtherPart, Field(union_mode="left_to_right")]
+ContentPart = Annotated[TextPart | ImageURLPart | OtherPart, Field(union_mode="left_to_right")]
 
 
 class FunctionDefinition(_Request):

@@ -25,6 +25,13 @@ import socket
 import time
 from typing import Any
 
+from encode.inputs import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    MediaLimits,
+)
 from engine import envs, logs
 from engine.config import (
     SPEC_SCHEDULES,
@@ -73,6 +80,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     api.add_argument("--api-key", help=f"require this bearer key on /v1/* (or "
                      f"${envs.API_KEY.name}; default: none)")  # fmt: skip
     add_api_flags(api)
+    add_media_flags(section(p, "images", "what a request's images may be (vision-language "
+                            "models)"))
     control = section(p, "control", "the control plane (workers, not clients, use it)")
     control.add_argument("--internal-host", default=ServerConfig.internal_host,
                          help="address of the listener workers announce themselves to")
@@ -88,6 +97,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="prefill workers to start (more may join: ferry worker)")
     pools.add_argument("--decode", type=int, default=PDConfig.num_decode, metavar="M",
                        help="decode workers to start (more may join: ferry worker)")
+    pools.add_argument("--encode", type=int, metavar="E",
+                       help="encode workers to start, which run the vision tower of a "
+                            "vision-language model (default: 1 for such a model, 0 for a "
+                            "text model; 0: the prefill workers encode images themselves)")
     pools.add_argument("--router-policy", choices=sorted(POLICIES), default=PDConfig.policy,
                        help="how the prefill and the decode worker of a request are chosen")
     pools.add_argument("--prefill-ep", type=int_at_least(1), default=PDConfig.prefill_ep,
@@ -157,6 +170,22 @@ def add_api_flags(p: Any) -> None:
     p.add_argument("--response-store-ttl", type=_at_least(0.0),
                    default=ServerConfig.response_store_ttl_s, metavar="S",
                    help="Responses API: seconds a stored response is kept")  # fmt: skip
+
+
+def add_media_flags(p: Any) -> None:
+    """What a request's images may be (``encode.inputs.MediaLimits``)."""
+    p.add_argument("--max-image-mb", type=_at_least(1e-3), default=DEFAULT_MAX_IMAGE_BYTES / 2**20,
+                   help="largest image file accepted (decoded from its data URL, or fetched)")
+    p.add_argument("--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
+                   metavar="N", help="most pixels of one image (read from its header, before "
+                   "it is decoded)")
+    p.add_argument("--max-images-per-request", type=int_at_least(1), default=DEFAULT_MAX_IMAGES,
+                   metavar="N", help="most images in one request, over all its messages")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="hosts (and their subdomains) whose http(s) image URLs are fetched; "
+                   "none by default: only data URLs are read, file:// never")
+    p.add_argument("--media-fetch-timeout", type=_at_least(1e-3), default=DEFAULT_FETCH_TIMEOUT_S,
+                   metavar="S", help="seconds fetching one image URL may take")  # fmt: skip
 
 
 def add_secret_flag(group: Any) -> None:
@@ -384,7 +413,8 @@ def host_tier_gb(args: argparse.Namespace) -> float:
         return args.host_kv_cache_gb
     workers = 1
     if not getattr(args, "aggregated", True):
-        workers = max(1, args.prefill * args.prefill_ep + args.decode * args.decode_ep)
+        workers = max(1, args.prefill * args.prefill_ep + args.decode * args.decode_ep
+                      + num_encode(args))
     return host_tier_bytes(available_memory_bytes(), workers) / 2**30
 
 
@@ -456,16 +486,29 @@ def kv_transport(args: argparse.Namespace) -> str:
     return "cuda_ipc" if torch.cuda.device_count() <= 1 else "nccl"
 
 
+def num_encode(args: argparse.Namespace) -> int:
+    """``--encode``, or 1 for a vision-language model and 0 for a text model."""
+    if args.encode is not None:
+        return args.encode
+    from engine.loader import has_vision
+
+    return 1 if has_vision(args.model) else 0
+
+
 def pd_config(args: argparse.Namespace) -> PDConfig | None:
     """The disaggregated topology, or None with ``--aggregated``."""
     if args.aggregated:
         if args.decode_ep > 1 or args.prefill_ep > 1:
             raise SystemExit("ferry: expert parallelism (--decode-ep, --prefill-ep) runs in the "
                              "disaggregated topology, not with --aggregated")  # fmt: skip
+        if args.encode:
+            raise SystemExit("ferry: --encode needs the disaggregated topology (the "
+                             "--aggregated engine encodes its images itself)")  # fmt: skip
         return None
     return PDConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,
+        num_encode=num_encode(args),
         transfer=transfer_config(args),
         policy=args.router_policy,
         redis_url=args.redis or "",
@@ -504,6 +547,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         drain_timeout_s=args.drain_timeout,
         internal_host=args.internal_host,
         internal_port=args.internal_port,
+        media=MediaLimits(
+            max_image_bytes=int(args.max_image_mb * 2**20),
+            max_image_pixels=args.max_image_pixels,
+            max_images=args.max_images_per_request,
+            allowed_domains=tuple(d.lower().rstrip(".") for d in args.allowed_media_domains),
+            fetch_timeout_s=args.media_fetch_timeout,
+        ),
     )
 
 

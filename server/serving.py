@@ -30,9 +30,11 @@ from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
+from encode.inputs import ImageRef, MediaError, load_images
 from engine.client import EngineDeadError, ReaderTooSlow, ServingClient
-from engine.messages import RequestOutput, TokenLogprob
+from engine.messages import MediaItem, RequestOutput, TokenLogprob
 from engine.sampling_params import GrammarSpec, SamplingParams
+from engine.vision import ImageError, ImageInput, place_images
 from server import access
 from server.admission import Admission, Ticket
 from server.config import ServerConfig
@@ -53,6 +55,7 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    ImageURLPart,
     SamplingFields,
     TextPart,
     Usage,
@@ -85,6 +88,7 @@ _TEXT_SHRINK_BOUND = 4
 class PromptInput:
     token_ids: list[int]
     echo_text: str | None = None  # completions with ``echo``: the text to prepend
+    media: tuple[MediaItem, ...] = ()  # the prompt's images, with their files
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ class Serving:
         self.max_tokens_default = config.max_tokens_default
         self.max_tokens_limit = config.max_tokens_limit
         self.request_timeout_s = config.request_timeout_s
+        self.media_limits = config.media
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
                                    metrics.registry)  # fmt: skip
         self.timeouts = Counter("ferry_request_timeouts", "Requests ended by --request-timeout",
@@ -187,12 +192,35 @@ class Serving:
         self._check_ready(req.model)
         wanted = constraint(req, getattr(self.tokenizer, "chat_template", None))
         await check_constraint(wanted)
-        messages = [_template_message(m, i) for i, m in enumerate(req.messages)]
+        refs = _image_refs(req.messages)
+        images = await self._load_images(refs)
+        messages = [_template_message(m, i, bool(refs)) for i, m in enumerate(req.messages)]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt = await asyncio.to_thread(self._render_chat, messages, tools)
+        media: list[MediaItem] = []
+        if images:
+            try:
+                prompt, media = place_images(prompt, self.client.images.image_token_id, images)
+            except ImageError as exc:
+                raise invalid_request(f"Cannot place the images: {exc}.", "messages") from None
         self._check_token_ids(prompt, "messages")
         max_tokens = self._max_tokens(len(prompt), req.max_new_tokens, "messages")
-        return self._job("chatcmpl", req, [PromptInput(prompt)], [max_tokens], wanted)
+        inputs = [PromptInput(prompt, media=tuple(media))]
+        return self._job("chatcmpl", req, inputs, [max_tokens], wanted)
+
+    async def _load_images(self, refs: list[ImageRef]) -> list[ImageInput]:
+        """The request's images, read and checked (400s: ``encode.inputs``); a model that
+        takes none refuses them."""
+        if not refs:
+            return []
+        images = self.client.images
+        if images is None:
+            raise invalid_request(f"The model `{self.model_name}` does not accept images "
+                                  "(it has no vision encoder).", refs[0].param)  # fmt: skip
+        try:
+            return await load_images(refs, images.processor, self.media_limits)
+        except MediaError as exc:
+            raise invalid_request(exc.message, exc.param) from None
 
     async def prepare_completion(self, req: CompletionRequest) -> Job:
         self._check_ready(req.model)
@@ -375,7 +403,9 @@ class Serving:
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         timer = _TokenTimer(self.metrics, job.arrival)
-        outputs = self.client.generate(spec.request_id, prompt, spec.sampling, job.trace_id)
+        media = job.prompts[spec.prompt_index].media
+        outputs = self.client.generate(spec.request_id, prompt, spec.sampling, media=media,
+                                       trace_id=job.trace_id)  # fmt: skip
         deadline = job.arrival + self.request_timeout_s if self.request_timeout_s else None
         try:
             async with asyncio.timeout_at(deadline), aclosing(outputs):
@@ -465,19 +495,38 @@ def _event(
     )
 
 
-def _template_message(message: ChatMessage, position: int) -> dict[str, Any]:
-    """A message as chat templates expect it: content flattened to one string."""
+def _image_refs(messages: Sequence[ChatMessage]) -> list[ImageRef]:
+    """The ``image_url`` parts of a conversation, in order; only user messages take them."""
+    refs = []
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if not isinstance(part, ImageURLPart):
+                continue
+            param = f"messages.{i}.content.{j}"
+            if message.role != "user":
+                raise invalid_request(f"image_url parts are for user messages, not "
+                                      f"{message.role} messages", param)  # fmt: skip
+            refs.append(ImageRef(part.image_url.url, param))
+    return refs
+
+
+def _template_message(message: ChatMessage, position: int, parts: bool = False) -> dict[str, Any]:
+    """A message as chat templates expect it: content flattened to one string, or, when
+    the conversation has images (``parts``), a list of text and image parts."""
     content = message.content
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, TextPart):
-                raise invalid_request(
-                    f"content part type {part.type!r} is not supported",
-                    f"messages.{position}.content",
-                )
-            texts.append(part.text)
-        content = "\n".join(texts)
+        texts: list[Any] = []
+        for j, part in enumerate(content):
+            if isinstance(part, ImageURLPart):
+                texts.append({"type": "image"})
+            elif isinstance(part, TextPart):
+                texts.append({"type": "text", "text": part.text} if parts else part.text)
+            else:
+                raise invalid_request(f"content part type {part.type!r} is not supported",
+                                      f"messages.{position}.content.{j}")  # fmt: skip
+        content = texts if parts else "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
     plain = {"role": role, "content": content or ""}
     for key in ("name", "tool_calls", "tool_call_id"):

@@ -1,4 +1,4 @@
-"""``ferry worker``: one prefill or decode worker, started on its own, that joins
+"""``ferry worker``: one prefill, decode or encode worker, started on its own, that joins
 frontends.
 
 The worker binds its channel (``--listen``, a ZMQ address frontends can reach), loads
@@ -55,14 +55,21 @@ _ANNOUNCE_RETRY_S = 1.0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("worker", help="run a prefill or decode worker that joins frontends",
-                              usage="%(prog)s --role prefill|decode [--config FILE] [options]",
-                              description="Run one prefill or decode worker that joins "
+    p = subparsers.add_parser("worker", help="run a prefill, decode or encode worker that joins "
+                              "frontends",
+                              usage="%(prog)s --role prefill|decode|encode [--config FILE] "
+                              "[options]",
+                              description="Run one prefill, decode or encode worker that joins "
                               "frontends (their control plane, or Redis).")  # fmt: skip
     serve.add_config_flag(p)
     me = section(p, "worker", "this worker")
-    me.add_argument("--role", choices=["prefill", "decode"], required=True,
-                    help="what it computes: prompts (prefill) or the tokens after (decode)")
+    me.add_argument("--role", choices=["prefill", "decode", "encode"], required=True,
+                    help="what it computes: prompts (prefill), the tokens after (decode), or "
+                         "a vision-language model's image embeddings (encode), which go to "
+                         "the prefill workers")
+    me.add_argument("--vision", action=argparse.BooleanOptionalAction, default=None,
+                    help="prefill: run the vision tower here (default: yes for a "
+                         "vision-language model; --no-vision when encode workers do it)")
     me.add_argument("--listen", default="tcp://127.0.0.1:0",
                     help="ZMQ address to bind for frontends; port 0 picks a free one")
     me.add_argument("--name", help="unique worker name (default: <role>-<host>-<pid>)")
@@ -103,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.role == "prefill":
         from prefill.worker import PrefillWorker as role
-    else:
+    elif args.role == "decode":
         from decode.worker import DecodeWorker as role
+    else:
+        from encode.worker import EncodeWorker as role
 
     name = args.name or f"{args.role}-{socket.gethostname()}-{os.getpid()}"
     if args.ep > 1 and args.ep_rank is None:
@@ -133,9 +142,10 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on every interface (%s): any host that reaches it can try; "
                     "only frontends that prove the cluster secret are heard, and nothing on "
                     "the channel is encrypted", channel.address)  # fmt: skip
-    config = WorkerConfig(args.role, engine, transfer, listen=channel.address, name=name,
-                          redis_url=args.redis or "", exit_with_parent=group is not None,
-                          group=group)  # fmt: skip
+    vision = args.role == "encode" or (args.role == "prefill" and args.vision is not False)
+    config = WorkerConfig(args.role, engine.replace(vision=vision), transfer,
+                          listen=channel.address, name=name, redis_url=args.redis or "",
+                          exit_with_parent=group is not None, group=group)  # fmt: skip
     drain = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: drain.set())

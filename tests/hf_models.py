@@ -136,3 +136,89 @@ def load_reference(folder: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+# ---- a tiny Qwen2.5-VL folder: model, tokenizer, chat template, image processor --------------
+
+VL_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+              "<|image_pad|>", "<|video_pad|>")  # ids 256.. in this order (bytes are 0-255)
+VL_IDS = {name: 256 + i for i, name in enumerate(VL_SPECIAL)}
+VL_IMAGE_TOKEN = VL_IDS["<|image_pad|>"]
+# small enough for the CPU: an image is resized to at most 8 x 8 merged squares (64 tokens)
+VL_PROCESSOR = {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 64}
+
+
+def _qwen2_5_vl():
+    from transformers import Qwen2_5_VLConfig
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(vocab_size=256 + len(VL_SPECIAL), hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=2048, initializer_range=0.1, rope_parameters=rope,
+                bos_token_id=None, eos_token_id=VL_IDS["<|im_end|>"], tie_word_embeddings=False)
+    # a window of 2 x 2 merged squares: images split into several windows, some partial
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=64, window_size=56, fullatt_block_indexes=[1],
+                  initializer_range=0.1)
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=VL_IMAGE_TOKEN,
+        video_token_id=VL_IDS["<|video_pad|>"], vision_start_token_id=VL_IDS["<|vision_start|>"],
+        vision_end_token_id=VL_IDS["<|vision_end|>"], tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def vl_reference(seed: int = 0) -> torch.nn.Module:
+    """transformers' Qwen2.5-VL with random weights (norms in [0.5, 1.5])."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(_qwen2_5_vl()).float().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                param.uniform_(0.5, 1.5)
+    model.generation_config.eos_token_id = None  # EOS is just a token: compare whole runs
+    return model
+
+
+def write_tiny_vlm(folder: Path, seed: int = 0) -> Path:
+    """A Qwen2.5-VL folder as a real checkpoint has it: the weights (``save_pretrained``),
+    a byte-level ``tokenizer.json`` with Qwen's special tokens, Qwen2.5-VL's chat template
+    and transformers' image processor settings (``preprocessor_config.json``)."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    from engine.tokenizer import QWEN2_VL_CHAT_TEMPLATE, bytes_to_unicode
+
+    vl_reference(seed).save_pretrained(folder)
+    spelling = bytes_to_unicode()
+    backend = HFTokenizer(models.BPE(vocab={spelling[b]: b for b in range(256)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in VL_SPECIAL])  # fmt: skip
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    ))  # fmt: skip
+    (folder / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
+    Qwen2VLImageProcessorPil(**VL_PROCESSOR).save_pretrained(folder)
+    return folder
+
+
+def random_image(seed: int, width: int, height: int, fmt: str = "PNG") -> bytes:
+    """An image file of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()

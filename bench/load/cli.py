@@ -83,6 +83,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=0.5,
         help="multiturn: mean think time between turns (s, exponential)",
     )
+    p.add_argument("--image-size", type=_size, default=(448, 448), metavar="WxH",
+                   help="images: the generated images' size in pixels")
+    p.add_argument("--images-per-request", type=int, default=1, help="images: per request")
+    p.add_argument("--image-seed", type=int, default=0,
+                   help="images: which images (the same seed: the same images, a warm cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT bound (ms)")
     p.add_argument(
@@ -116,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     from bench.load.sweep import run_point, run_sweep, write_json, write_sweep
 
     loads = args.concurrency or args.rate
+    if args.workload == "images" and args.endpoint != "chat":
+        print("ferry bench: the images workload sends chat completions", file=sys.stderr)
+        return 2
     if args.mode == "run" and len(loads) != 1:
         print("ferry bench: give one load value, or use 'ferry bench sweep'", file=sys.stderr)
         return 2
@@ -143,7 +151,9 @@ def _workload_spec(args: argparse.Namespace) -> WorkloadSpec:
         kind=args.workload, num_requests=args.num_requests, input_len=args.input_len,
         output_len=args.output_len, range_ratio=args.range_ratio, seed=args.seed,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, turns=args.turns,
-        think_time_s=args.think_time,
+        think_time_s=args.think_time, image_width=args.image_size[0],
+        image_height=args.image_size[1], images_per_request=args.images_per_request,
+        image_seed=args.image_seed,
     )  # fmt: skip
 
 
@@ -175,6 +185,16 @@ def _floats(text: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"loads must be positive numbers: {text}")
     return values
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a WIDTHxHEIGHT size: {text}") from e
+    if min(width, height) < 1:
+        raise argparse.ArgumentTypeError(f"image sides must be positive: {text}")
+    return width, height
 
 
 def _base_url(url: str) -> str:

@@ -9,19 +9,30 @@ one turn, so every workload runs through the same code.
 Lengths are counted in words drawn from a list of short common English words; each is
 about one token for byte-level BPE tokenizers (the server's ``usage.prompt_tokens``
 reports the exact count).
+
+The ``images`` workload sends one user message per request: its words first, then
+``images_per_request`` generated PNG images (random pixels, ``image_width`` x
+``image_height``, as OpenAI ``image_url`` data URLs). Image ``j`` of request ``i`` is
+drawn from ``(image_seed, i, j)`` alone: two runs with the same ``image_seed`` send the
+same images (a warm embedding cache) and, with another ``seed``, different words in
+front of them (no prompt prefix to reuse past the words); a new ``image_seed`` sends
+images no server has seen (a cold cache). PNGs are written here (zlib), without Pillow.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import random
+import struct
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-SYNTHETIC = ("random", "shared-prefix", "multiturn")
+SYNTHETIC = ("random", "shared-prefix", "multiturn", "images")
 ENDPOINTS = ("chat", "responses")  # where the conversations go (LoadConfig.endpoint)
 
 _WORD_TEXT = """the of and to in is it you that he was for on are with as his they be at one have
@@ -97,6 +108,10 @@ class WorkloadSpec:
     prefix_len: int = 512
     turns: int = 4
     think_time_s: float = 0.5
+    image_width: int = 448
+    image_height: int = 448
+    images_per_request: int = 1
+    image_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
@@ -107,6 +122,8 @@ class WorkloadSpec:
             raise ValueError("range_ratio must be in [0, 1)")
         if self.num_prefixes < 1 or self.turns < 1 or self.think_time_s < 0:
             raise ValueError("num_prefixes and turns must be >= 1, think_time_s >= 0")
+        if min(self.image_width, self.image_height, self.images_per_request) < 1:
+            raise ValueError("image sides and images_per_request must be >= 1")
 
 
 def build_sessions(spec: WorkloadSpec) -> list[Session]:
@@ -118,6 +135,8 @@ def build_sessions(spec: WorkloadSpec) -> list[Session]:
         return _shared_prefix(rng, spec)
     if spec.kind == "multiturn":
         return _multiturn(rng, spec)
+    if spec.kind == "images":
+        return [_single(_image_message(rng, spec, i), spec) for i in _n(spec)]
     return _from_jsonl(Path(spec.kind), spec)
 
 
@@ -145,6 +164,31 @@ def _user(text: str) -> dict[str, str]:
 
 def _single(message: Mapping[str, Any], spec: WorkloadSpec, *more: Mapping) -> Session:
     return Session((Turn(messages=(*more, message), max_tokens=spec.output_len),))
+
+
+def _image_message(rng: random.Random, spec: WorkloadSpec, i: int) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "text", "text": _words(rng, _length(rng, spec))}]
+    for j in range(spec.images_per_request):
+        seed = f"{spec.image_seed}/{i}/{j}"
+        png = random_png(spec.image_width, spec.image_height, seed)
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return {"role": "user", "content": parts}
+
+
+def random_png(width: int, height: int, seed: int | str) -> bytes:
+    """An RGB PNG of random pixels, the same for the same arguments."""
+    pixels = random.Random(seed).randbytes(width * height * 3)
+    stride = width * 3
+    rows = b"".join(b"\0" + pixels[y * stride : (y + 1) * stride] for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 1))
+            + chunk(b"IEND", b""))  # fmt: skip
 
 
 def _shared_prefix(rng: random.Random, spec: WorkloadSpec) -> list[Session]:

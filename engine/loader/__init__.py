@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     import torch
 
     from engine.models.base import CausalLM
+    from engine.models.qwen2_5_vl import VisionTransformer
+    from engine.vision import ImageInputs, ImageProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +142,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if kind == "dummy":
         from engine.loader import dummy
 
-        return ByteTokenizer(dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).vocab_size)
+        config = dummy.dummy_config(spec[len(DUMMY_PREFIX) :])
+        return ByteTokenizer(config.vocab_size, vision=config.vision is not None)
     assert path is not None
     if kind == "gguf":
         from engine.loader.gguf_header import read_gguf_metadata
@@ -170,13 +173,15 @@ def load_model(
     progress: bool = True,
     seed: int = 0,
     weights: str = "fp32",
+    vision: bool = True,
 ) -> LoadedModel:
     """Load config, weights (onto ``device`` in ``dtype``) and tokenizer for ``spec``.
 
     ``dtype`` None is float32. ``progress`` shows a tqdm bar on stderr while weights load;
     ``seed`` seeds dummy weights. ``weights``: the matrices' format
     (``engine.models.quant.CPU_WEIGHTS``; int8/int4 for GGUF and HF models on the CPU, where
-    a GGUF's own blocks are kept).
+    a GGUF's own blocks are kept). ``vision`` False: a vision-language model without its
+    vision tower (its weights are not read: the images are encoded elsewhere).
     The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
     """
     import torch
@@ -192,8 +197,8 @@ def load_model(
     name = model_name(spec)
     if kind == "dummy":
         config = dummy.dummy_config(spec[len(DUMMY_PREFIX) :])
-        model = dummy.build_dummy_model(config, device, dtype, seed=seed)
-        tokenizer: Tokenizer = ByteTokenizer(config.vocab_size)
+        model = dummy.build_dummy_model(config, device, dtype, seed=seed, vision=vision)
+        tokenizer: Tokenizer = ByteTokenizer(config.vocab_size, vision=config.vision is not None)
     elif kind == "gguf":
         assert path is not None
         from engine.loader.gguf import GGUFFile, gguf_model_config, iter_gguf_weights
@@ -207,8 +212,9 @@ def load_model(
     else:
         assert path is not None
         config = hf.hf_model_config(path, name)
-        model = build_model(config, device, dtype, weights)
-        model.load_weights(hf.iter_hf_weights(path, device, progress))
+        model = build_model(config, device, dtype, weights, vision=vision)
+        keep = None if vision or config.vision is None else _text_only
+        model.load_weights(hf.iter_hf_weights(path, device, progress, keep))
         tokenizer = load_tokenizer(str(path))
     config = _with_tokenizer_eos(config, tokenizer)
     model.config = config
@@ -223,6 +229,107 @@ def load_model(
     )
 
 
+def _text_only(name: str) -> bool:
+    from engine.models.qwen2_5_vl import VISUAL_PREFIX, canonical_name
+
+    return not canonical_name(name).startswith(VISUAL_PREFIX)
+
+
+def _tower_only(name: str) -> bool:
+    return not _text_only(name)
+
+
+@dataclass
+class LoadedVision:
+    """A vision-language model's tower alone (what an encode worker runs), its config and
+    the image processor that feeds it."""
+
+    config: ModelConfig
+    tower: VisionTransformer
+    processor: ImageProcessor
+    name: str
+
+
+def load_image_processor(spec: str) -> ImageProcessor | None:
+    """The image processor of a vision-language model (its ``preprocessor_config.json``,
+    or a dummy preset's settings); None for a text-only model."""
+    kind, path = _resolve(spec)
+    if kind == "gguf":  # text only; and a GGUF's frontend imports no torch
+        return None
+    from engine.loader import dummy, hf
+    from engine.vision import ImageProcessor
+
+    if kind == "dummy":
+        preset = spec[len(DUMMY_PREFIX) :]
+        if dummy.dummy_config(preset).vision is None:
+            return None
+        return ImageProcessor(dummy.IMAGE_PROCESSORS[preset])
+    if path is None or hf.hf_model_config(path, path.name).vision is None:
+        return None
+    return ImageProcessor(hf.read_json(path / "preprocessor_config.json"))
+
+
+def has_vision(spec: str) -> bool:
+    """Whether the model has a vision tower (reads its config only; a GGUF has none)."""
+    kind, path = _resolve(spec)
+    if kind == "gguf":
+        return False
+    from engine.loader import dummy, hf
+
+    if kind == "dummy":
+        return dummy.dummy_config(spec[len(DUMMY_PREFIX) :]).vision is not None
+    assert path is not None
+    return hf.hf_model_config(path, path.name).vision is not None
+
+
+def load_image_inputs(spec: str) -> ImageInputs | None:
+    """The image processor and placeholder token of a vision-language model (what a
+    frontend needs of it); None for a text-only model."""
+    processor = load_image_processor(spec)
+    if processor is None:
+        return None
+    from engine.loader import dummy, hf
+    from engine.vision import ImageInputs
+
+    kind, path = _resolve(spec)
+    if kind == "dummy":
+        config = dummy.dummy_config(spec[len(DUMMY_PREFIX) :])
+    else:
+        assert path is not None
+        config = hf.hf_model_config(path, path.name)
+    assert config.vision is not None
+    return ImageInputs(processor, config.vision.image_token_id)
+
+
+def load_vision_model(
+    spec: str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+    progress: bool = True, seed: int = 0,
+) -> LoadedVision:  # fmt: skip
+    """The vision tower of ``spec`` alone, on ``device`` in ``dtype`` (float32 by default):
+    only the tower's weights are read. ``ValueError`` for a model without one."""
+    import torch
+
+    from engine.loader import dummy, hf
+    from engine.models import build_vision_model
+
+    dtype = torch.float32 if dtype is None else dtype
+    kind, path = _resolve(spec)
+    config = load_model_config(spec)
+    processor = load_image_processor(spec)
+    if config.vision is None or processor is None:
+        raise ValueError(f"{model_name(spec)} has no vision tower: nothing to encode images")
+    if kind == "dummy":
+        tower = dummy.build_dummy_vision(config, device, dtype, seed=seed)
+    else:
+        assert path is not None
+        from engine.models.qwen2_5_vl import VISUAL_PREFIX, canonical_name
+
+        tower = build_vision_model(config, device, dtype)
+        weights = hf.iter_hf_weights(path, device, progress, _tower_only)
+        tower.load_weights((canonical_name(n)[len(VISUAL_PREFIX) :], t) for n, t in weights)
+    return LoadedVision(config, tower, processor, model_name(spec))
+
+
 def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfig:
     """``config`` whose ``eos_token_ids`` also hold the tokenizer's end-of-turn ids."""
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
@@ -231,9 +338,14 @@ def _with_tokenizer_eos(config: ModelConfig, tokenizer: Tokenizer) -> ModelConfi
 
 __all__ = [
     "LoadedModel",
+    "LoadedVision",
     "default_model_path",
+    "has_vision",
+    "load_image_inputs",
+    "load_image_processor",
     "load_model",
     "load_model_config",
+    "load_vision_model",
     "load_tokenizer",
     "resolve_cpu_weights",
     "model_aliases",

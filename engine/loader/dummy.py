@@ -18,11 +18,36 @@ import os
 
 import torch
 
-from engine.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
-from engine.models import build_model
+from engine.config import MLAConfig, ModelConfig, MoEConfig, RopeScaling, VisionConfig
+from engine.models import build_model, build_vision_model
 from engine.models.base import CausalLM
+from engine.models.qwen2_5_vl import VisionTransformer
 
 _BYTE_TOKENS = dict(bos_token_id=256, eos_token_ids=(257, 259))  # ByteTokenizer's specials
+# ByteTokenizer(vision=True)'s <|vision_start|>, <|vision_end|>, <|image_pad|>
+_VISION_TOKENS = dict(vision_start_token_id=260, vision_end_token_id=261, image_token_id=262)
+
+_QWEN2_5_VL_7B = ModelConfig(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=128000,
+    attention_bias=True,
+    architecture="qwen2_5_vl",
+    name="dummy-qwen2.5-vl-7b",
+    vision=VisionConfig(
+        depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+        window_size=112, fullatt_block_indexes=(7, 15, 23, 31), **_VISION_TOKENS,
+    ),
+    mrope_section=(16, 24, 24),
+    **_BYTE_TOKENS,
+)  # fmt: skip
 
 _DEEPSEEK_V3 = ModelConfig(
     vocab_size=129280,
@@ -154,6 +179,15 @@ PRESETS: dict[str, ModelConfig] = {
                                 dense_layers=(0,)),
     ),
     "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "qwen2.5-vl-7b": _QWEN2_5_VL_7B,
+    "qwen2.5-vl-tiny": _narrow(
+        _QWEN2_5_VL_7B, "qwen2.5-vl-tiny", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        max_position_embeddings=4096, mrope_section=(2, 3, 3),
+        vision=VisionConfig(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                            out_hidden_size=64, window_size=56, fullatt_block_indexes=(1,),
+                            **_VISION_TOKENS),
+    ),
     "qwen3-moe-tiny": _narrow(
         _QWEN3_30B_A3B, "qwen3-moe-tiny", vocab_size=512, hidden_size=64,
         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -161,6 +195,13 @@ PRESETS: dict[str, ModelConfig] = {
         moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True),
     ),
 }  # fmt: skip
+
+
+# The image processor of each vision preset (preprocessor_config.json's settings).
+IMAGE_PROCESSORS: dict[str, dict] = {
+    "qwen2.5-vl-7b": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16384},
+    "qwen2.5-vl-tiny": {"min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 64},
+}
 
 
 def dummy_config(preset: str) -> ModelConfig:
@@ -172,24 +213,44 @@ def dummy_config(preset: str) -> ModelConfig:
 
 
 def build_dummy_model(
-    config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0
-) -> CausalLM:
+    config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0,
+    vision: bool = True,
+) -> CausalLM:  # fmt: skip
     """The model allocated on ``device`` in ``dtype`` with random weights made there
-    (shapes alone on ``meta``). ``MemoryError`` before anything is allocated when the
-    weights do not fit the device's free memory."""
+    (shapes alone on ``meta``; ``vision`` False: without its vision tower).
+    ``MemoryError`` before anything is allocated when the weights do not fit the device's
+    free memory."""
     device = torch.device(device)
     if device.type == "meta":
-        return build_model(config, device, dtype)
-    need = weight_bytes(config, dtype)
+        return build_model(config, device, dtype, vision=vision)
+    check_fits(build_model(config, "meta", dtype, vision=vision), config.name, device, dtype)
+    model = build_model(config, device, dtype, vision=vision)
+    model.init_random_weights(seed=seed)
+    return model
+
+
+def build_dummy_vision(
+    config: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int = 0
+) -> VisionTransformer:
+    """The preset's vision tower alone with random weights (as ``build_dummy_model``)."""
+    device = torch.device(device)
+    if device.type != "meta":
+        check_fits(build_vision_model(config, "meta", dtype), config.name, device, dtype)
+    tower = build_vision_model(config, device, dtype)
+    if device.type != "meta":
+        tower.init_random_weights(seed=seed)
+    return tower
+
+
+def check_fits(model: torch.nn.Module, name: str, device: torch.device, dtype: torch.dtype):
+    """``MemoryError`` when the weights of ``model`` (built on meta) do not fit ``device``."""
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
     free = free_memory(device)
     if need > free:
         raise MemoryError(
-            f"{config.name} needs {need / 2**30:.1f} GiB of weights in {dtype}; "
+            f"{name} needs {need / 2**30:.1f} GiB of weights in {dtype}; "
             f"{device} has {free / 2**30:.1f} GiB free"
         )
-    model = build_model(config, device, dtype)
-    model.init_random_weights(seed=seed)
-    return model
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:

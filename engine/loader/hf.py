@@ -14,7 +14,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,11 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 def read_hf_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of the folder, or {} when it is absent."""
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def hf_model_config(path: Path, name: str) -> ModelConfig:
@@ -73,11 +78,13 @@ def tensor_names(path: Path) -> list[str]:
 
 
 def iter_hf_weights(
-    path: Path, device: torch.device | str = "cpu", progress: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
+    path: Path, device: torch.device | str = "cpu", progress: bool = False,
+    keep: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Yield ``(name, tensor)`` from every safetensors file, read straight onto ``device``
-    (dequantized when the checkpoint is quantized)."""
-    weights = _read_files(path, device, progress)
+    (dequantized when the checkpoint is quantized); ``keep``: only the tensors whose name
+    it accepts are read."""
+    weights = _read_files(path, device, progress, keep)
     quantization = read_hf_config(path).get("quantization_config")
     if quantization:
         return dequantize_fp8(weights, fp8_block_size(quantization))
@@ -85,7 +92,7 @@ def iter_hf_weights(
 
 
 def _read_files(
-    path: Path, device: torch.device | str, progress: bool
+    path: Path, device: torch.device | str, progress: bool, keep: Callable[[str], bool] | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     from tqdm import tqdm
@@ -97,7 +104,8 @@ def _read_files(
         for file in files:
             with safe_open(str(file), framework="pt", device=str(device)) as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield key, f.get_tensor(key)
+                    if keep is None or keep(key):
+                        yield key, f.get_tensor(key)
             bar.update(1)
 
 

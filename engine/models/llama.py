@@ -29,7 +29,7 @@ from torch import nn
 from engine.attention.base import ForwardContext
 from engine.config import ModelConfig, RopeScaling
 from engine.cpu_kernels import cpu_kernels_for
-from engine.models.base import CausalLM
+from engine.models.base import CausalLM, Spliced
 from engine.models.quant import QuantEmbedding, QuantLinear, QuantWeight, as_float, quant_slots
 from kernels import ATTENTION_DTYPES, tilelang_available
 from kvstore.layout import KVCacheLayout
@@ -180,10 +180,11 @@ class RotaryEmbedding(nn.Module):
             cpu.rope(k, positions, self.cos_sin)
             return q, k
         cos, sin = self.cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` [T, H, D] by ``cos``/``sin`` [T, 1, D/2]."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -280,9 +281,15 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        spliced: Spliced | None = None,
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if spliced is not None:
+            hidden = hidden.index_copy(0, spliced.rows, spliced.values.to(hidden.dtype))
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, ctx)
         if residual is None:  # no layers
@@ -325,9 +332,13 @@ class LlamaForCausalLM(CausalLM):
         return self.config.head_dim**-0.5
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        spliced: Spliced | None = None,
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, spliced)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
@@ -364,6 +375,11 @@ class LlamaForCausalLM(CausalLM):
         start = sum(sizes[:index])
         return slice(start, start + sizes[index])
 
+    def weight_targets(self) -> dict[str, nn.Parameter]:
+        """The parameters ``load_weights`` fills, by name (a model with parts loaded
+        otherwise leaves them out)."""
+        return dict(self.named_parameters())
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Copy HF-named tensors in (any dtype/device; converted), or quantized blocks
@@ -371,7 +387,7 @@ class LlamaForCausalLM(CausalLM):
         Raises ``KeyError`` for a name the model does not have and ``ValueError`` if a
         weight stays unset. ``lm_head.weight`` is ignored when embeddings are tied."""
         quant = quant_slots(self)
-        params = dict(self.named_parameters())
+        params = self.weight_targets()
         sizes = {n: p.numel() for n, p in params.items()}
         sizes.update({n: m.out_features * m.in_features for n, m in quant.items()
                       if isinstance(m, QuantLinear)})  # fmt: skip

@@ -109,3 +109,48 @@ class RotaryEmbedding(llama.RotaryEmbedding):
 def _halves(x: torch.Tensor) -> torch.Tensor:
     """Interleaved pairs (x0, x1), (x2, x3), ... gathered as (x0, x2, ..., x1, x3, ...)."""
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class MRotaryEmbedding(llama.RotaryEmbedding):
+    """Qwen2-VL's multimodal RoPE (M-RoPE): three position streams (time, height, width).
+
+    The rotary half of each head splits into ``sections`` (Qwen2.5-VL-7B: 16, 24, 24
+    frequency pairs); section i turns with stream ``i % 3``. Positions ``[3, T]`` give
+    each token its three streams (``engine.models.qwen2_5_vl.rope_table``: an image's
+    tokens sit on its grid, text tokens on the diagonal); positions ``[T]`` mean all three
+    equal, which is plain RoPE, so that path (and its CPU and CUDA kernels) is Llama's.
+    Same table, same rotate-half rotation as transformers'
+    ``Qwen2_5_VLRotaryEmbedding`` + ``apply_rotary_pos_emb``.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling,
+        sections: tuple[int, ...],
+    ) -> None:
+        super().__init__(head_dim, max_positions, theta, scaling)
+        if sum(sections) * 2 != head_dim:
+            raise ValueError(f"M-RoPE sections {sections} do not cover half of {head_dim}")
+        self.sections = tuple(sections)
+        self.register_buffer("stream_of_pair", torch.empty(head_dim // 2, dtype=torch.long),
+                             persistent=False)  # fmt: skip
+
+    def reset_cache(self) -> None:
+        super().reset_cache()
+        streams = [torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(self.sections)]
+        self.stream_of_pair = torch.cat(streams).to(self.cos_sin.device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        half = self.head_dim // 2
+        table = self.cos_sin[positions]  # [3, T, D]: cos half, then sin half, per stream
+        pick = self.stream_of_pair.view(1, 1, half).expand(1, table.shape[1], half)
+        cos = table[..., :half].gather(0, pick)[0].unsqueeze(1).to(q.dtype)
+        sin = table[..., half:].gather(0, pick)[0].unsqueeze(1).to(q.dtype)
+        return llama.rotate(q, cos, sin), llama.rotate(k, cos, sin)

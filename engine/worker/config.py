@@ -13,12 +13,13 @@ from typing import Any
 
 from engine.config import EngineConfig
 
-ROLES = ("engine", "prefill", "decode")
+ROLES = ("engine", "prefill", "decode", "encode")
 
 
 @dataclass(frozen=True)
 class TransferConfig:
-    """How KV moves from prefill to decode workers.
+    """How KV moves from prefill to decode workers (and image embeddings from encode to
+    prefill workers: the same transport).
 
     ``timeout_s``: how long the KV of a prompt may take once its prefill has started (a
     prefill worker starts no send later, and gives each send this long);

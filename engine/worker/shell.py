@@ -9,6 +9,7 @@ same way. ``main(role_cls)`` is a role module's ``python -m`` entry point.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -18,14 +19,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import msgspec
 
 from engine import envs, logs
 from engine.messages import (
     Codec,
-    EngineRequest,
     RequestOutput,
     Shutdown,
     WorkerFailed,
@@ -63,15 +63,30 @@ class RoleStopped(Exception):
     role and returns 1, the process's exit status."""
 
 
+class OpenedRequest(Protocol):
+    """A request a message opened: its id, the HTTP request it belongs to, and the tokens
+    it brings (a prompt's; an image's embedding rows)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def trace_id(self) -> str: ...
+
+    @property
+    def num_input_tokens(self) -> int: ...
+
+
 class WorkerRole(ABC):
     """What a worker does, plugged into the shell's loop (``serve``).
 
     The contract, per loop iteration of the shell:
 
     1. Every input that has arrived goes to ``handle``, in order (never ``Shutdown``: the
-       shell stops on it). ``handle`` returns the ``EngineRequest`` the message opens, if
-       it opens one; the shell then sends that request's replies and outputs to the
-       frontend it came from, and logs one line when it ends (``RequestLog``).
+       shell stops on it). ``handle`` returns the request the message opens, if it opens
+       one (an ``EngineRequest``, or a role's own request message: ``OpenedRequest``);
+       the shell then sends that request's replies and outputs to the frontend it came
+       from, and logs one line when it ends (``RequestLog``).
     2. ``step()`` runs once: at most one engine step, plus whatever the role moves; its
        ``Outbox`` is sent at once.
     3. When ``busy`` is false the shell first waits up to ``wait_ms`` for an input; if none
@@ -99,7 +114,7 @@ class WorkerRole(ABC):
     def ready(self) -> WorkerReady: ...
 
     @abstractmethod
-    def handle(self, msg: msgspec.Struct) -> EngineRequest | None: ...
+    def handle(self, msg: msgspec.Struct) -> OpenedRequest | None: ...
 
     @abstractmethod
     def step(self) -> Outbox: ...
@@ -191,15 +206,20 @@ def _announce_ready(config: WorkerConfig, ready: WorkerReady, address: str) -> N
     transport = "" if config.role == "engine" else f", KV transport {config.transfer.transport}"
     if ready.endpoint is not None:
         transport += f" (receiver {ready.endpoint.address})"
+    tiers = config.engine.cache.tiers_summary()
+    cache = (f"KV cache {logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} blocks of "
+             f"{ready.block_size} tokens, context {ready.max_model_len})")  # fmt: skip
+    if config.role == "encode":  # image embeddings, kept in memory and the file tier only
+        tiers = dataclasses.replace(config.engine.cache, host_memory_gb=0).tiers_summary()
+        cache = (f"embedding cache {logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} "
+                 f"blocks of {ready.block_size} rows)")  # fmt: skip
     logs.announce(
-        f"{config.role} worker {name} ready on {ready.device or config.engine.device}: KV cache "
-        f"{logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} blocks of "
-        f"{ready.block_size} tokens, context {ready.max_model_len}){transport}, tiers: "
-        f"{config.engine.cache.tiers_summary()}",
+        f"{config.role} worker {name} ready on {ready.device or config.engine.device}: "
+        f"{cache}{transport}, tiers: {tiers}",
         worker=name, role=config.role, device=ready.device, address=address,
         kv_cache_bytes=ready.kv_cache_bytes, kv_blocks=ready.num_blocks,
         block_size=ready.block_size, transport=config.transfer.transport,
-        tiers=config.engine.cache.tiers_summary(),
+        tiers=tiers,
     )  # fmt: skip
 
 
@@ -219,8 +239,8 @@ class RequestLog:
     def __init__(self) -> None:
         self._open: dict[str, _Opened] = {}
 
-    def opened(self, request: EngineRequest) -> None:
-        self._open[request.request_id] = _Opened(request.trace_id, len(request.prompt_token_ids))
+    def opened(self, request: OpenedRequest) -> None:
+        self._open[request.request_id] = _Opened(request.trace_id, request.num_input_tokens)
 
     def output(self, out: RequestOutput) -> None:
         req = self._open.get(out.request_id)

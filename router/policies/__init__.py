@@ -1,12 +1,12 @@
 """Routing policies: which worker of a pool serves a request.
 
-Each policy is one file with one ``select()``; the prefill and the decode pool each get
-their own instance (``get_policy(name, role)``), so the two choices are independent.
+Each policy is one file with one ``select()``; the prefill, decode and encode pools each
+get their own instance (``get_policy(name, role)``), so the choices are independent.
 """
 
 from __future__ import annotations
 
-from router.policies.base import Candidate, Policy
+from router.policies.base import POOLS, Candidate, Policy
 from router.policies.cache_aware import CacheAware
 from router.policies.load_aware import LoadAware
 from router.policies.random import RandomChoice
@@ -23,4 +23,4 @@ def get_policy(name: str, role: str, seed: int | None = None) -> Policy:
     return POLICIES[name](role, seed)
 
 
-__all__ = ["POLICIES", "Candidate", "Policy", "get_policy"]
+__all__ = ["POLICIES", "POOLS", "Candidate", "Policy", "get_policy"]

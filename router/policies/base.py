@@ -8,15 +8,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+# The pools a policy can serve: an encode worker's work is image tokens to run through the
+# vision tower, which policies weigh as a prefill worker's prompt tokens.
+POOLS = ("prefill", "decode", "encode")
+
 
 @dataclass(frozen=True)
 class Candidate:
     """A live worker of one pool, as the frontend knows it when a request arrives.
 
     ``hit_tokens`` comes from the prefix index (what the worker's caches hold of this
-    prompt); ``inflight`` and ``queued_tokens`` are this frontend's own exact count of
-    what it has sent the worker and not yet seen finish; the rest is the worker's latest
-    report.
+    prompt, or of this image for an encode worker); ``inflight`` and ``queued_tokens`` are
+    this frontend's own exact count of what it has sent the worker and not yet seen
+    finish; the rest is the worker's latest report.
     """
 
     name: str
@@ -33,10 +37,16 @@ class Policy(ABC):
     name: ClassVar[str]
 
     def __init__(self, role: str, seed: int | None = None) -> None:
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"a policy serves the prefill or the decode pool, not {role!r}")
+        if role not in POOLS:
+            raise ValueError(f"a policy serves one of the pools {POOLS}, not {role!r}")
         self.role = role
         self.rng = random.Random(seed)
+
+    @property
+    def computes(self) -> bool:
+        """Whether the pool's cost is work to compute (prefill, encode: tokens over a
+        rate) rather than requests to carry (decode)."""
+        return self.role != "decode"
 
     @abstractmethod
     def select(self, candidates: Sequence[Candidate], num_tokens: int) -> int:

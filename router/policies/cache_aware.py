@@ -7,6 +7,10 @@ worker's measured prefill rate (the pool's mean while it is unknown). A cached p
 thus wins exactly while it saves more than the queue ahead of it costs, so a prefix that
 every worker holds (a shared system prompt) cannot pull all the load onto one of them.
 
+Encode pool: the same cost as prefill, with image tokens and the worker's measured
+encode rate (a worker whose embedding cache holds the image has none of its tokens to
+compute).
+
 Decode pool: among the workers not busier than the least busy by more than a margin,
 the one holding most of the prompt (an earlier turn's KV: less to move, or a tail short
 enough to prefill locally); then the least busy.
@@ -32,7 +36,7 @@ class CacheAware(Policy):
         self._turn = itertools.count()
 
     def select(self, candidates: Sequence[Candidate], num_tokens: int) -> int:
-        if self.role == "prefill":
+        if self.computes:
             keys = self._prefill_costs(candidates, num_tokens)
         else:
             keys = self._decode_costs(candidates)

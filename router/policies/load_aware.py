@@ -1,9 +1,9 @@
 """Load-aware: the power of two choices.
 
-Two workers drawn at random, the less loaded one wins: for prefill the one with fewer
-prompt tokens waiting to be computed, for decode the one with fewer requests in flight
-(then more free KV). Nearly as even as asking every worker, with none of the herding
-that always picking the global minimum causes when load figures lag.
+Two workers drawn at random, the less loaded one wins: for prefill (and encode) the one
+with fewer prompt (image) tokens waiting to be computed, for decode the one with fewer
+requests in flight (then more free KV). Nearly as even as asking every worker, with none
+of the herding that always picking the global minimum causes when load figures lag.
 """
 
 from __future__ import annotations
@@ -23,6 +23,6 @@ class LoadAware(Policy):
         return min((a, b), key=lambda i: self._load(candidates[i]))
 
     def _load(self, c: Candidate) -> tuple:
-        if self.role == "prefill":
+        if self.computes:
             return (c.queued_tokens, c.inflight, c.num_waiting)
         return (c.inflight, c.num_running + c.num_waiting, -c.kv_free)

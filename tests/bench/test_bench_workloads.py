@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import io
 import json
 
 import pytest
@@ -10,13 +13,39 @@ from bench.load.runner import LoadConfig, request_body
 from bench.load.workloads import WorkloadSpec, build_sessions, count_requests
 
 
-@pytest.mark.parametrize("kind", ["random", "shared-prefix", "multiturn"])
+@pytest.mark.parametrize("kind", ["random", "shared-prefix", "multiturn", "images"])
 def test_same_seed_same_workload_other_seed_other_workload(kind):
     spec = WorkloadSpec(kind, num_requests=10, input_len=20, range_ratio=0.5, seed=3)
     assert build_sessions(spec) == build_sessions(spec)
     other = WorkloadSpec(kind, num_requests=10, input_len=20, range_ratio=0.5, seed=4)
     assert build_sessions(spec) != build_sessions(other)
     assert count_requests(build_sessions(spec)) == 10
+
+
+def _images(spec: WorkloadSpec) -> list[list[str]]:
+    return [[p["image_url"]["url"] for p in s.turns[0].messages[0]["content"][1:]]
+            for s in build_sessions(spec)]  # fmt: skip
+
+
+def test_images_are_pngs_of_the_size_asked_and_follow_the_image_seed_alone():
+    from PIL import Image
+
+    spec = WorkloadSpec("images", num_requests=4, input_len=6, image_width=50, image_height=30,
+                        images_per_request=2, image_seed=7)  # fmt: skip
+    urls = _images(spec)
+    assert len(urls) == 4 and all(len(u) == 2 for u in urls)
+    assert len({u for pair in urls for u in pair}) == 8  # every image its own
+    head, payload = urls[0][1].split(",", 1)
+    assert head == "data:image/png;base64"
+    with Image.open(io.BytesIO(base64.b64decode(payload))) as image:
+        image.load()  # the whole file decodes
+        assert (image.size, image.mode, image.format) == ((50, 30), "RGB", "PNG")
+    texts = [s.turns[0].messages[0]["content"][0]["text"] for s in build_sessions(spec)]
+    assert all(len(t.split()) == 6 for t in texts)
+    other_words = dataclasses.replace(spec, seed=1)
+    assert _images(other_words) == urls  # the warm run: the same images, other words
+    assert build_sessions(other_words) != build_sessions(spec)
+    assert not set(sum(_images(dataclasses.replace(spec, image_seed=8)), [])) & set(sum(urls, []))
 
 
 def test_random_lengths_stay_in_the_range():

@@ -12,12 +12,21 @@ from router.policies import POLICIES, Candidate, get_policy
 def test_every_policy_is_reachable_by_name_and_refuses_unknown_names():
     assert set(POLICIES) == {"cache_aware", "load_aware", "round_robin", "random"}
     for name in POLICIES:
-        for role in ("prefill", "decode"):
+        for role in ("prefill", "decode", "encode"):
             assert get_policy(name, role, seed=0).select([Candidate("w")], 10) == 0
     with pytest.raises(ValueError, match="cache_aware"):
         get_policy("psychic", "prefill")
-    with pytest.raises(ValueError, match="prefill or the decode"):
-        get_policy("random", "encode")
+    with pytest.raises(ValueError, match="one of the pools"):
+        get_policy("random", "vision")
+
+
+def test_cache_aware_sends_an_image_where_its_embeddings_are_unless_the_queue_costs_more():
+    policy = get_policy("cache_aware", "encode")
+    holder = Candidate("holder", hit_tokens=256, tokens_per_s=1000.0)
+    other = Candidate("other", tokens_per_s=1000.0)
+    assert policy.select([other, holder], 256) == 1  # nothing to compute there
+    busy = Candidate("holder", hit_tokens=256, queued_tokens=4096, tokens_per_s=1000.0)
+    assert policy.select([other, busy], 256) == 0  # 4 s of queue against 0.26 s of work
 
 
 def test_round_robin_walks_the_pool():
