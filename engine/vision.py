@@ -69,7 +69,6 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
     Pillow can decode, not one of ``FORMATS``, larger than ``max_pixels`` pixels (read
     from the header, before decoding), truncated or damaged."""
     from PIL import Image, UnidentifiedImageError
-    from transformers.image_transforms import convert_to_rgb
 
     try:
         with warnings.catch_warnings():
@@ -95,10 +94,23 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
                              f"factor of {MAX_ASPECT_RATIO} at most")  # fmt: skip
         try:
             image.load()
-            pixels = convert_to_rgb(image, return_numpy=True)
+            pixels = _rgb(image)
         except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated, damaged
             raise ImageError(f"the image data is truncated or damaged ({_why(exc)})") from None
         return DecodedImage(np.ascontiguousarray(pixels, dtype=np.uint8), image.format)
+
+
+def _rgb(image: Any) -> np.ndarray:
+    """An image's RGB pixels as transformers' image processors make them (transparency
+    composited over white), with Pillow alone: their helper's arguments differ between
+    transformers releases."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"))
+    return np.asarray(image.convert("RGB"))
 
 
 def _why(exc: BaseException) -> str:
