@@ -23,26 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from encode.keys import embedding_keys
 from engine.kv_cache.block_pool import Block, BlockPool
 from engine.kv_cache.tiered import KVTiers
 from engine.media import blocks_for, read_rows, write_rows
 from kvstore.events import KVEvent
-from kvstore.hashing import ROOT_HASH, BlockHash, block_hash, extra_keys
+from kvstore.hashing import BlockHash, extra_keys
 from kvstore.layout import KVCache
 from kvstore.tiers.fileio import DEFAULT_FILE_MODE
-
-
-def embedding_keys(
-    extra: bytes, content_hash: bytes, num_tokens: int, block_size: int
-) -> list[BlockHash]:
-    """The chain of block keys of an image's embeddings (``extra``: the cache's own, which
-    an encode worker's ready message carries as its ``hash_extra``)."""
-    extra = extra + extra_keys(content_hash)
-    keys, parent = [], ROOT_HASH
-    for j in range(blocks_for(num_tokens, block_size)):
-        parent = block_hash(parent, [j, num_tokens], extra)
-        keys.append(parent)
-    return keys
 
 
 @dataclass(frozen=True)

@@ -425,6 +425,8 @@ class SchedulerConfig:
     max_model_len: int = 0  # 0: the model's own context length
 
 
+EMBED_BLOCK_SIZE = 64  # image embedding rows per block (transports and the file tier move blocks)
+
 SPEC_SCHEDULES = ("dynamic", "fixed")
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.config import EMBED_BLOCK_SIZE
 from engine.kv_cache.block_pool import Block, BlockPool
 from engine.messages import RequestOutput
 from engine.request import Request
@@ -34,7 +35,6 @@ from kvstore.transport.base import KVReceiver, KVTransport
 log = logging.getLogger("ferry.engine")
 
 ENCODE_BATCH_TOKENS = 16384  # image tokens one encoder call takes at most (one image more)
-EMBED_BLOCK_SIZE = 64  # embedding rows per block (transports and the file tier move blocks)
 
 
 def embedding_layout(hidden_size: int, dtype: torch.dtype,

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from encode.cache import embedding_keys
+from encode.keys import embedding_keys
 from encode.messages import Encoded, EncodeFailed, EncodeRequest
 from engine.messages import Abort, MediaItem
 from kvstore.transport.base import KVDestination

@@ -43,8 +43,7 @@ from prometheus_client import Counter
 
 from decode.messages import CODEC as DECODE
 from encode.messages import CODEC as ENCODE
-from engine.config import EngineConfig
-from engine.media import EMBED_BLOCK_SIZE
+from engine.config import EMBED_BLOCK_SIZE, EngineConfig
 from engine.messages import EngineStats, stats_of
 from engine.worker.config import GroupMember, WorkerConfig
 from prefill.messages import CODEC as PREFILL

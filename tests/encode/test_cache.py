@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from encode.cache import EmbeddingCache, FileTierConfig, embedding_keys
+from encode.cache import EmbeddingCache, FileTierConfig
+from encode.keys import embedding_keys
 from engine.media import embedding_layout
 from kvstore.layout import KVCache
 

@@ -105,11 +105,11 @@ def test_suffix_is_400(http):
     assert error["param"] == "suffix"
 
 
-def test_image_parts_are_400(http):
+def test_image_parts_for_a_text_model_are_400(http):
     content = [{"type": "image_url", "image_url": {"url": "http://example.invalid/x.png"}}]
     body = {"messages": [{"role": "user", "content": content}]}
     error = _error(http.post("/v1/chat/completions", json=body), 400)
-    assert "image_url" in error["message"]
+    assert "does not accept images" in error["message"], error
 
 
 def test_unknown_fields_are_ignored(http):
