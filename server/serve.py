@@ -561,13 +561,13 @@ def run(args: argparse.Namespace) -> int:
     """Check what can be checked at once (the flags, the model, the ports), then serve.
     Each problem found before the engines start is one line on stderr, exit code 1."""
     logs.configure(log_config(args))
+    check_model(args.model)  # before the sizing, which reads the model's config
     try:
         config = server_config(args)
         engine = engine_config(args)
         pd = pd_config(args)
     except ValueError as exc:
         raise SystemExit(f"ferry serve: {exc}") from None
-    check_model(engine.model)
     shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None
     secret = cluster_secret(args, shared)
     try:
