@@ -8,7 +8,9 @@ llama-cpp-python 0.3.36 (its OpenAI server) is installed by this script into a v
 its own, ``~/.cache/ferry/bench/llama-cpp-python-0.3.36`` (built from source: ~10 min on
 2 cores, once). Both servers run side by side on the default model's GGUF: ``ferry serve``
 with no flags but the port (frontend + 1 prefill + 1 decode worker), and llama.cpp with
-``--n_threads`` = the machine's cores and ``--n_ctx`` 4096. The load points take turns
+``--n_threads`` = the machine's cores, ``--n_ctx`` 4096 and ``--interrupt_requests False``
+(by default a request arriving while another streams ends that one: at concurrency 4 its
+16 requests returned 29 tokens in all; queued, they run one at a time). The load points take turns
 (ferry then llama.cpp at each concurrency), so shifting machine load hits both alike;
 each point is one ``ferry bench`` run (random workload, streaming chat, ``ignore_eos``,
 a seed per point so no prompt repeats between points).
@@ -92,7 +94,8 @@ def start_llama(venv: Path, gguf: Path, threads: int, log: Path) -> tuple[subpro
     port = _free_port()
     cmd = [str(venv / "bin" / "python"), "-m", "llama_cpp.server", "--model", str(gguf),
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
-           "--n_threads", str(threads), "--n_threads_batch", str(threads)]  # fmt: skip
+           "--n_threads", str(threads), "--n_threads_batch", str(threads),
+           "--interrupt_requests", "False"]  # fmt: skip
     with log.open("wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

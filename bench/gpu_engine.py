@@ -392,16 +392,21 @@ def engine_step(preset: str, batch: int, context: int, steps: int, block_size: i
     core = EngineCore(config)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
+    vocab = core.model_config.vocab_size
     for i in range(batch):
-        prompt = torch.randint(300, 30000, (context,), generator=g).tolist()
-        core.add_request(EngineRequest(f"e{i}", prompt, params))
+        prompt = torch.randint(min(300, vocab // 2), vocab, (context,), generator=g).tolist()
+        refused = core.add_request(EngineRequest(f"e{i}", prompt, params))
+        if refused is not None:
+            raise RuntimeError(f"engine_step: request refused: {refused.error}")
     runner, sched = core.runner, core.scheduler
     phases = {"schedule": [], "runner_host": [], "wait": [], "update": [], "step": []}
-    while True:  # prefill every prompt first
+    for _ in range(batch * context):  # prefill every prompt first
         plan = sched.schedule()
         sched.update(plan, runner.execute(plan))
         if all(c.num_tokens == 1 for c in plan.chunks) and len(plan.chunks) == batch:
             break
+    else:
+        raise RuntimeError("engine_step: the prompts never reached steady decode")
     for _ in range(steps):
         t0 = time.perf_counter()
         plan = sched.schedule()

@@ -281,11 +281,22 @@ class PrefillWorker(GroupedRole):
         blocks = self.sched.pin(self.sched.blocks(rid)[begin:end])
         src = [b.block_id for b in blocks]
         dst = dest.block_ids[ship.sent : ship.sent + len(src)]
-        job = self._pool.submit(self.sender.send, dest.endpoint, rid, src, dst, self.timeout)
+        job = self._pool.submit(self.sender.send, dest.endpoint, rid, src, dst, self.timeout,
+                                self._written())  # fmt: skip
         ship.jobs.append((job, blocks))
         ship.sent += len(src)
         if not final:
             ship.streamed += len(src)
+
+    def _written(self) -> torch.cuda.Event | None:
+        """On CUDA, an event past every step run so far (the blocks being sent were
+        written by one of them): the send waits for it, not for steps launched later."""
+        storage = self.core.kv_cache.storage
+        if not storage.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(storage.device))
+        return event
 
     def _collect(self) -> None:
         for rid, ship in list(self.shipments.items()):

@@ -305,11 +305,12 @@ def add_engine_flags(p: Any) -> None:
     tiers = section(p, "tiers", "KV tiers below each worker's KV cache")
     tiers.add_argument("--kv-tiers", type=_tier_list,
                        help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
-                            "host,file on the CPU; host on CUDA, and file too with --kv-dir)")
+                            "file on the CPU, host too with --host-kv-cache-gb; host on CUDA, "
+                            "file too with --kv-dir)")
     tiers.add_argument("--host-kv-cache-gb", type=_at_least(0.0),
                        help="host memory per worker for KV blocks evicted from its cache "
                             "(default: 2%% of the memory available at start, shared by the "
-                            "workers started, at most 4)")
+                            "workers started, at most 4; on the CPU no host tier unless given)")
     tiers.add_argument("--kv-dir", help="file tier directory, shared by every worker of the "
                        f"machine (default: ${envs.KV_DIR.name} or ~/.cache/ferry/kv)")
     tiers.add_argument("--kv-file-capacity-gb", type=_at_least(1e-6),
@@ -398,12 +399,17 @@ def kv_tiers(args: argparse.Namespace) -> frozenset[str]:
     """``--kv-tiers``, or the default for the device. On CUDA a block is 16 MB at the 8B
     shape and writing each one through to local files cut serving throughput 3x on the
     H200 (bench/README.md), so files are used there only when asked for (``--kv-dir``:
-    a fast shared file system such as 3FS)."""
+    a fast shared file system such as 3FS). On the CPU the KV cache is host memory
+    already: a host tier would keep a second copy of evicted blocks in the same memory,
+    which the file tier's pages in the OS page cache hold anyway (on the default model it
+    filled its 0.2 GB per worker within one benchmark and served 128 tokens of hits), so
+    the CPU default is the file tier alone, with the host tier when ``--host-kv-cache-gb``
+    gives it a size."""
     if args.kv_tiers is not None:
         return args.kv_tiers
-    if _on_cuda(args) and not args.kv_dir:
-        return frozenset({"host"})
-    return frozenset({"host", "file"})
+    if not _on_cuda(args):
+        return frozenset({"host", "file"}) if args.host_kv_cache_gb else frozenset({"file"})
+    return frozenset({"host", "file"}) if args.kv_dir else frozenset({"host"})
 
 
 def host_tier_gb(args: argparse.Namespace) -> float:

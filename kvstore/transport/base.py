@@ -14,6 +14,12 @@ own cache and calls ``send``: layer by layer (or in chunks), source block ``src[
 every layer lands in destination block ``dst[i]``. ``send`` returns only once every byte
 is in place at the destination, and raises ``TransferError`` on corruption, peer death
 or timeout; then the destination blocks hold garbage and must not be used.
+
+On a CUDA cache the bytes are read on a side stream of the sender's, which waits for
+``ready`` (an event the caller recorded once the source blocks were written) or, without
+one, for everything queued on the device so far. The event matters where the engine keeps
+queueing steps while sends run on another thread: waiting for the whole device queue made
+each send of a prefill worker wait for the step launched after its blocks were done.
 """
 
 from __future__ import annotations
@@ -135,6 +141,7 @@ class KVSender(ABC):
 
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
+        self._side: torch.cuda.Stream | None = None  # a CUDA cache's reading stream
 
     def send(
         self,
@@ -143,6 +150,7 @@ class KVSender(ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         timeout: float = 30.0,
+        ready: torch.cuda.Event | None = None,
     ) -> TransferStats:
         """Copy blocks ``src[i]`` → ``dst[i]`` of every layer; see the module docstring."""
         started = time.perf_counter()
@@ -150,7 +158,20 @@ class KVSender(ABC):
             raise TransferError(f"{self.backend} sender given a {endpoint.backend} endpoint")
         check_layout(self.cache, endpoint)
         check_ids(src_block_ids, dst_block_ids, endpoint.num_blocks)
-        self._send(endpoint, transfer_id, src_block_ids, dst_block_ids, timeout)
+        storage = self.cache.storage
+        if storage.is_cuda:
+            import torch
+
+            if self._side is None:
+                self._side = torch.cuda.Stream(storage.device)
+            if ready is None:
+                self._side.wait_stream(torch.cuda.current_stream(storage.device))
+            else:
+                self._side.wait_event(ready)
+            with torch.cuda.stream(self._side):
+                self._send(endpoint, transfer_id, src_block_ids, dst_block_ids, timeout)
+        else:
+            self._send(endpoint, transfer_id, src_block_ids, dst_block_ids, timeout)
         nbytes = len(src_block_ids) * self.cache.layout.bytes_per_block
         return TransferStats(len(src_block_ids), nbytes, time.perf_counter() - started)
 
@@ -160,7 +181,8 @@ class KVSender(ABC):
         timeout: float,
     ) -> None:  # fmt: skip
         """Move the blocks; return once every byte is in place, raise ``TransferError``
-        otherwise."""
+        otherwise. On a CUDA cache it runs on the side stream (the current one), which
+        already waits for the source blocks."""
 
     @abstractmethod
     def close(self) -> None: ...

@@ -5,9 +5,9 @@ The receiving cache is an ordinary CUDA allocation. Its endpoint carries the CUD
 handle of that allocation, exported once (``UntypedStorage._share_cuda_``: what
 ``torch.multiprocessing`` sends for a CUDA tensor), as base64 JSON in ``address``. A
 sender opens it once per receiver (``UntypedStorage._new_shared_cuda``) and moves each
-chunk of consecutive layers (``layer_chunks``) with one gather and one scatter on a side
-stream that first waits for the sender's current stream (the prefill that wrote the
-source blocks), then waits for the copy: ``send`` returns once every byte is in place.
+chunk of consecutive layers (``layer_chunks``) with one gather and one scatter on the
+sender's side stream (which waits for the prefill that wrote the source blocks:
+``KVSender.send``), then waits for the copy: ``send`` returns once every byte is in place.
 No staging through host memory and no bytes on a wire, hence no checksum. Peer death is
 detected through the receiver's pid before and after each transfer, as shm does, and the
 mapping of a dead peer is dropped; its memory stays allocated until the last importer
@@ -109,7 +109,6 @@ class CudaIpcSender(KVSender):
         if not cache.storage.is_cuda:
             raise ValueError("a cuda_ipc sender needs a CUDA cache")
         self._maps: dict[str, torch.Tensor] = {}
-        self._stream = torch.cuda.Stream(cache.storage.device)
 
     def _send(
         self, endpoint: KVEndpoint, transfer_id: str, src: list[int], dst: list[int],
@@ -119,12 +118,10 @@ class CudaIpcSender(KVSender):
         source = self.cache.storage
         src_ids = torch.tensor(src, dtype=torch.long).to(source.device, non_blocking=True)
         dst_ids = torch.tensor(dst, dtype=torch.long).to(dest.device, non_blocking=True)
-        self._stream.wait_stream(torch.cuda.current_stream(source.device))
-        with torch.cuda.stream(self._stream):
-            for start, end in layer_chunks(self.cache, len(src)):
-                part = source[start:end].index_select(1, src_ids)
-                dest[start:end].index_copy_(1, dst_ids, part.to(dest.device, non_blocking=True))
-        self._stream.synchronize()
+        for start, end in layer_chunks(self.cache, len(src)):
+            part = source[start:end].index_select(1, src_ids)
+            dest[start:end].index_copy_(1, dst_ids, part.to(dest.device, non_blocking=True))
+        torch.cuda.current_stream(source.device).synchronize()
         if not pid_alive(endpoint.pid):
             self._maps.pop(endpoint.address, None)
             raise TransferError(f"receiver pid {endpoint.pid} died during the transfer")

@@ -36,20 +36,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def test_serve_defaults_on_the_cpu_bound_the_context_and_share_the_host_tier(parser):
+def test_serve_defaults_on_the_cpu_bound_the_context_and_share_an_asked_for_host_tier(parser):
     args = parser.parse_args(["serve"])
     config = serve.engine_config(args)
     assert config.scheduler.max_model_len == serve.CPU_MAX_MODEL_LEN
     assert config.cache.memory_gb == 0.0  # sized from the context at start
+    assert config.cache.host_memory_gb == 0.0  # the file tier alone on the CPU
     expected = sizing.host_tier_bytes(sizing.available_memory_bytes(), 2) / 2**30
-    assert config.cache.host_memory_gb == pytest.approx(expected, rel=0.05)
-    aggregated = serve.engine_config(parser.parse_args(["serve", "--aggregated"]))
+    host = ["serve", "--kv-tiers", "host,file"]
+    assert serve.engine_config(parser.parse_args(host)).cache.host_memory_gb == pytest.approx(
+        expected, rel=0.05)
+    aggregated = serve.engine_config(parser.parse_args([*host, "--aggregated"]))
     assert aggregated.cache.host_memory_gb == pytest.approx(2 * expected, rel=0.05)
 
 
 def test_explicit_sizes_win(parser):
     args = parser.parse_args(["serve", "--max-model-len", "512", "--host-kv-cache-gb", "0.5",
-                              "--kv-cache-memory-gb", "0.25"])  # fmt: skip
+                              "--kv-cache-memory-gb", "0.25", "--kv-tiers", "host,file"])  # fmt: skip
     config = serve.engine_config(args)
     assert config.scheduler.max_model_len == 512
     assert (config.cache.host_memory_gb, config.cache.memory_gb) == (0.5, 0.25)

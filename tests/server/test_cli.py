@@ -21,15 +21,12 @@ def parse(*argv: str):
 def test_defaults_come_from_the_config_dataclasses(monkeypatch, tmp_path):
     monkeypatch.setenv("FERRY_KV_DIR", str(tmp_path))
     args = parse()
-    # serve's own: the tiers (the host tier a share of the memory available now) and, on
-    # the CPU, a context of CPU_MAX_MODEL_LEN
-    tiers = CacheConfig(host_memory_gb=serve.host_tier_gb(args), kv_dir=str(tmp_path))
+    # serve's own: the tiers (on the CPU the file tier alone) and, on the CPU, a context
+    # of CPU_MAX_MODEL_LEN
+    tiers = CacheConfig(kv_dir=str(tmp_path))
     scheduler = SchedulerConfig(max_model_len=serve.CPU_MAX_MODEL_LEN)
     expected = EngineConfig(model="default", cache=tiers, scheduler=scheduler)
-    got = serve.engine_config(args)
-    assert got.replace(cache=dataclasses.replace(got.cache, host_memory_gb=0.0)) == (
-        expected.replace(cache=dataclasses.replace(expected.cache, host_memory_gb=0.0)))
-    assert 0 < got.cache.host_memory_gb <= 4.0
+    assert serve.engine_config(args) == expected
     config = serve.server_config(args)
     assert (config.host, config.port, config.api_key) == ("127.0.0.1", 8000, None)
 
@@ -64,10 +61,10 @@ def test_cuda_defaults_to_large_blocks_and_overlap_the_cpu_does_not():
 
 def test_cuda_keeps_kv_in_host_memory_and_uses_files_only_when_given_a_directory(tmp_path):
     cpu = serve.engine_config(parse()).cache
-    assert cpu.host_memory_gb > 0 and cpu.kv_dir
+    assert cpu.host_memory_gb == 0.0 and cpu.kv_dir  # the cache is host memory already
     gpu = serve.engine_config(parse("--device", "cuda")).cache
-    assert gpu.host_memory_gb == pytest.approx(cpu.host_memory_gb, rel=0.05)  # memory now
-    assert gpu.kv_dir == ""
+    assert gpu.host_memory_gb == pytest.approx(serve.host_tier_gb(parse()), rel=0.05)
+    assert gpu.host_memory_gb > 0 and gpu.kv_dir == ""
     given = serve.engine_config(parse("--device", "cuda", "--kv-dir", str(tmp_path))).cache
     assert given.kv_dir == str(tmp_path)
     forced = serve.engine_config(parse("--device", "cuda", "--kv-tiers", "host,file")).cache
