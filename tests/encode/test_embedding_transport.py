@@ -1,0 +1,135 @@
+"""Image embeddings from an encode worker's cache into a prefill worker's inbox through
+each KV transport: the encode side's ``EmbeddingCache`` and sender, the prefill side's
+``EmbeddingInbox`` and ``EmbeddingWaits``, the transport's real sockets or segments
+between them (no worker processes). shm and tcp run here; cuda_ipc and nccl open their
+peer's memory or communicator from another process (their protocol tests are in
+tests/kvstore/), so they are parametrized and skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encode.cache import EmbeddingCache, FileTierConfig
+from engine.media import EmbeddingInbox, blocks_for, embedding_layout
+from engine.messages import EngineRequest, MediaItem
+from engine.sampling_params import SamplingParams
+from kvstore.transport import get_transport
+from kvstore.transport.base import KVDestination, KVEndpoint
+from prefill.embeddings import EmbeddingWaits
+from prefill.messages import PrefillRequest
+
+SECRET = "embed-test-secret"
+HIDDEN, BLOCK = 24, 4
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GPU_ONLY = pytest.mark.skip(reason="needs CUDA and a peer process (see tests/kvstore/)")
+TRANSPORTS = [
+    "shm",
+    "tcp",
+    pytest.param("cuda_ipc", marks=[CUDA, GPU_ONLY]),
+    pytest.param("nccl", marks=[CUDA, GPU_ONLY]),
+]
+LENGTHS = [10, 4, 17]  # tokens per image: a partial last block, one whole block, several
+
+
+def _rows(seed: int, n: int) -> torch.Tensor:
+    return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def _request(rid: str, lengths: list[int], deadline: float = 1e12) -> PrefillRequest:
+    media, offset = [], 3
+    for i, n in enumerate(lengths):
+        media.append(MediaItem(f"image-{rid}-{i}".encode(), offset, n, (1, 2, n * 2)))
+        offset += n + 2
+    req = EngineRequest(rid, list(range(offset + 3)), SamplingParams(max_tokens=1), media=media)
+    return PrefillRequest(req, KVDestination(KVEndpoint("shm", "", "", 0), [], 0, deadline))
+
+
+class _Pair:
+    """An encode worker's cache and sender, a prefill worker's inbox and waits."""
+
+    def __init__(self, name: str) -> None:
+        layout = embedding_layout(HIDDEN, torch.float32, block_size=BLOCK)
+        encode_side = get_transport(name, secret=SECRET)
+        kv = encode_side.allocate_cache(layout, 32, "cpu")
+        self.cache = EmbeddingCache(kv, "tower", FileTierConfig(""))
+        self.sender = encode_side.sender(kv)
+        prefill_side = get_transport(name, secret=SECRET)
+        self.inbox = EmbeddingInbox(prefill_side, layout, 24, "cpu", "127.0.0.1")
+        self.waits = EmbeddingWaits(self.inbox, 30.0, "p0")
+
+    def encode_and_send(self, wanted, req: PrefillRequest, rows: list[torch.Tensor]) -> None:
+        """What the encode worker does for each image: store, send, release; then the
+        frontend's EmbeddingsReady."""
+        for i, (dest, tid, item) in enumerate(zip(wanted.destinations, wanted.transfer_ids,
+                                                  req.request.media)):  # fmt: skip
+            blocks = self.cache.store(item.content_hash, rows[i])
+            stats = self.sender.send(dest.endpoint, tid, [b.block_id for b in blocks],
+                                     dest.block_ids, 10.0)  # fmt: skip
+            assert stats.num_blocks == blocks_for(item.length, BLOCK)
+            self.cache.release(blocks)
+            self.waits.ready(req.request_id, i)
+
+    def close(self) -> None:
+        self.sender.close()
+        self.waits.close()
+        self.cache.close()
+
+
+@pytest.fixture(params=TRANSPORTS)
+def pair(request):
+    p = _Pair(request.param)
+    yield p
+    p.close()
+
+
+def test_embeddings_land_in_the_reserved_inbox_blocks_exactly(pair):
+    req = _request("r1", LENGTHS)
+    pair.waits.add(req)
+    (wanted,) = pair.waits.reserve()
+    assert wanted.request_id == "r1" and len(wanted.destinations) == len(LENGTHS)
+    rows = [_rows(i, n) for i, n in enumerate(LENGTHS)]
+    pair.encode_and_send(wanted, req, rows)
+    ready, failures = pair.waits.take()
+    assert failures == []
+    ((got_req, got_rows),) = ready
+    assert got_req.request_id == "r1"
+    assert all(torch.equal(a, b) for a, b in zip(got_rows, rows))
+    pair.waits.check_integrity()
+    assert pair.inbox.pool.num_free == pair.inbox.pool.num_usable  # every block given back
+
+
+def test_two_requests_in_flight_each_get_their_own_rows(pair):
+    reqs = [_request("a", [9, 5]), _request("b", [13])]
+    for r in reqs:
+        pair.waits.add(r)
+    wanted = pair.waits.reserve()
+    assert [w.request_id for w in wanted] == ["a", "b"]
+    rows = {"a": [_rows(10, 9), _rows(11, 5)], "b": [_rows(12, 13)]}
+    for w, r in reversed(list(zip(wanted, reqs))):  # answered in the other order
+        pair.encode_and_send(w, r, rows[r.request_id])
+    ready, failures = pair.waits.take()
+    assert failures == []
+    assert {r.request_id for r, _ in ready} == {"a", "b"}
+    for r, got in ready:
+        assert all(torch.equal(x, y) for x, y in zip(got, rows[r.request_id]))
+    pair.waits.check_integrity()
+
+
+def test_an_image_said_ready_but_never_written_fails_its_request(pair):
+    if pair.inbox.receiver.endpoint.backend == "shm":
+        pytest.skip("shm cannot observe direct writes: its receiver says every one landed")
+    req = _request("r2", [6, 6])
+    pair.waits.add(req)
+    (wanted,) = pair.waits.reserve()
+    blocks = pair.cache.store(b"only-the-first", _rows(3, 6))
+    dest = wanted.destinations[0]
+    pair.sender.send(dest.endpoint, wanted.transfer_ids[0], [b.block_id for b in blocks],
+                     dest.block_ids, 10.0)  # fmt: skip
+    pair.cache.release(blocks)
+    pair.waits.ready("r2", 0)
+    pair.waits.ready("r2", 1)  # the frontend says so; the receiver saw nothing written
+    ready, failures = pair.waits.take()
+    assert ready == [] and len(failures) == 1 and "not landed" in failures[0].error
+    pair.waits.check_integrity()
+    assert pair.inbox.pool.num_free == pair.inbox.pool.num_usable
