@@ -1,14 +1,23 @@
 """Image embeddings from an encode worker's cache into a prefill worker's inbox through
 each KV transport: the encode side's ``EmbeddingCache`` and sender, the prefill side's
 ``EmbeddingInbox`` and ``EmbeddingWaits``, the transport's real sockets or segments
-between them (no worker processes). shm and tcp run here; cuda_ipc and nccl open their
-peer's memory or communicator from another process (their protocol tests are in
-tests/kvstore/), so they are parametrized and skipped without CUDA."""
+between them (no worker processes). shm and tcp run in one process; every transport
+also runs with the prefill side in a process of its own (cuda_ipc and nccl open their
+peer's memory or communicator only from another process: skipped without CUDA, nccl
+without two GPUs)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
 import pytest
 import torch
+import xxhash
 
 from encode.cache import EmbeddingCache, FileTierConfig
 from engine.media import EmbeddingInbox, blocks_for, embedding_layout
@@ -22,12 +31,15 @@ from prefill.messages import PrefillRequest
 SECRET = "embed-test-secret"
 HIDDEN, BLOCK = 24, 4
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-GPU_ONLY = pytest.mark.skip(reason="needs CUDA and a peer process (see tests/kvstore/)")
-TRANSPORTS = [
-    "shm",
-    "tcp",
-    pytest.param("cuda_ipc", marks=[CUDA, GPU_ONLY]),
-    pytest.param("nccl", marks=[CUDA, GPU_ONLY]),
+TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs two GPUs")  # fmt: skip
+TRANSPORTS = ["shm", "tcp"]  # in one process
+# (transport, the encode side's device, the prefill side's device): across processes
+ACROSS = [
+    ("shm", "cpu", "cpu"),
+    ("tcp", "cpu", "cpu"),
+    pytest.param("cuda_ipc", "cuda:0", "cuda:0", marks=CUDA),
+    pytest.param("nccl", "cuda:0", "cuda:1", marks=TWO_GPUS),
 ]
 LENGTHS = [10, 4, 17]  # tokens per image: a partial last block, one whole block, several
 
@@ -133,3 +145,80 @@ def test_an_image_said_ready_but_never_written_fails_its_request(pair):
     assert ready == [] and len(failures) == 1 and "not landed" in failures[0].error
     pair.waits.check_integrity()
     assert pair.inbox.pool.num_free == pair.inbox.pool.num_usable
+
+
+# The prefill side in a process of its own: prints the EmbeddingsWanted of one request,
+# waits for "sent", then prints a digest of the rows it took (or its failure).
+_PREFILL = """
+import json, sys, msgspec, torch, xxhash
+sys.path.insert(0, sys.argv[4])
+from test_embedding_transport import BLOCK, HIDDEN, SECRET, _request
+from engine.media import EmbeddingInbox, embedding_layout
+from kvstore.transport import get_transport
+from prefill.embeddings import EmbeddingWaits
+name, device, lengths = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if device.startswith("cuda"):
+    torch.cuda.set_device(device)
+layout = embedding_layout(HIDDEN, torch.float32, block_size=BLOCK)
+inbox = EmbeddingInbox(get_transport(name, secret=SECRET), layout, 24, device, "127.0.0.1")
+waits = EmbeddingWaits(inbox, 30.0, "p1")
+req = _request("x", lengths)
+waits.add(req)
+(wanted,) = waits.reserve()
+print(msgspec.json.encode(wanted).decode(), flush=True)
+assert sys.stdin.readline().strip() == "sent"
+for i in range(len(lengths)):
+    waits.ready("x", i)
+ready, failures = waits.take()
+if failures:
+    print("failed: " + failures[0].error, flush=True)
+else:
+    h = xxhash.xxh3_64()
+    for rows in ready[0][1]:
+        h.update(rows.cpu().numpy().tobytes())
+    print(h.hexdigest(), flush=True)
+waits.check_integrity()
+sys.stdin.readline()
+waits.close()
+"""
+
+
+@pytest.mark.parametrize("name, encode_device, prefill_device", ACROSS)
+def test_embeddings_reach_a_prefill_worker_in_another_process(name, encode_device,
+                                                              prefill_device):  # fmt: skip
+    from prefill.messages import EmbeddingsWanted
+
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(here.parents[1]), os.environ.get("PYTHONPATH", "")])
+    child = subprocess.Popen(
+        [sys.executable, "-c", _PREFILL, name, prefill_device, json.dumps(LENGTHS), str(here)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    sender = cache = None
+    try:
+        wanted = msgspec.json.decode(child.stdout.readline(), type=EmbeddingsWanted)
+        if encode_device.startswith("cuda"):
+            torch.cuda.set_device(encode_device)
+        layout = embedding_layout(HIDDEN, torch.float32, block_size=BLOCK)
+        transport = get_transport(name, secret=SECRET)
+        kv = transport.allocate_cache(layout, 32, encode_device)
+        cache = EmbeddingCache(kv, "tower", FileTierConfig(""))
+        sender = transport.sender(kv)
+        rows = [_rows(i, n) for i, n in enumerate(LENGTHS)]
+        digest = xxhash.xxh3_64()
+        for i, (dest, tid) in enumerate(zip(wanted.destinations, wanted.transfer_ids)):
+            blocks = cache.store(f"image-{i}".encode(), rows[i].to(encode_device))
+            sender.send(dest.endpoint, tid, [b.block_id for b in blocks], dest.block_ids, 30.0)
+            cache.release(blocks)
+            digest.update(rows[i].numpy().tobytes())
+        child.stdin.write("sent\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == digest.hexdigest()
+    finally:
+        if sender is not None:
+            sender.close()
+        if cache is not None:
+            cache.close()
+        with_timeout = child.communicate("\n", timeout=30)
+        assert child.returncode == 0, with_timeout
