@@ -1,6 +1,7 @@
 """A float32 model on CUDA (attention through torch SDPA: TileLang's kernels take bf16 or
 fp16) generates what the same model generates on the CPU: the tiny Qwen2.5-VL of the
-tests, greedy, with one image and with two. Skipped without CUDA."""
+tests, greedy, with one image and with two, decode steps from CUDA graphs and eager.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SIZES = [(130, 100), (90, 150), (200, 120)]
 
 
-def _llm(folder, device: str) -> LLM:
+def _llm(folder, device: str, enforce_eager: bool = False) -> LLM:
     return LLM(EngineConfig(
         model=str(folder), device=device, dtype="float32", num_threads=1,
+        enforce_eager=enforce_eager,
         cache=CacheConfig(block_size=16, num_blocks=128),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
     ))  # fmt: skip
@@ -37,14 +39,15 @@ def _prompt(folder, images: list[bytes], text: str):
     return place_images(ids, VL_IMAGE_TOKEN, [prepare_image(processor, d, 1 << 24) for d in images])
 
 
-def test_float32_on_cuda_generates_what_the_cpu_generates(tmp_path):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_float32_on_cuda_generates_what_the_cpu_generates(tmp_path, enforce_eager):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     folder = write_tiny_vlm(tmp_path / "tiny-vlm")
     images = [random_image(i, w, h) for i, (w, h) in enumerate(SIZES)]
     cases = [_prompt(folder, images[:1], "Describe it."),
              _prompt(folder, images[1:3], "Compare them.")]  # fmt: skip
-    cpu, cuda = _llm(folder, "cpu"), _llm(folder, "cuda")
+    cpu, cuda = _llm(folder, "cpu"), _llm(folder, "cuda", enforce_eager)
     assert type(cuda.core.runner.backend) is TorchSDPABackend
     for ids, media in cases:
         expected = cpu.generate([ids], GREEDY, [media])[0].token_ids
