@@ -8,6 +8,7 @@ without two GPUs)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from encode.cache import EmbeddingCache, FileTierConfig
 from engine.media import EmbeddingInbox, blocks_for, embedding_layout
 from engine.messages import EngineRequest, MediaItem
 from engine.sampling_params import SamplingParams
+from kvstore.layout import KVCache
 from kvstore.transport import get_transport
 from kvstore.transport.base import KVDestination, KVEndpoint
 from prefill.embeddings import EmbeddingWaits
@@ -57,13 +59,22 @@ def _request(rid: str, lengths: list[int], deadline: float = 1e12) -> PrefillReq
     return PrefillRequest(req, KVDestination(KVEndpoint("shm", "", "", 0), [], 0, deadline))
 
 
+def _source_cache(transport, name: str, layout, device: str) -> KVCache:
+    """The encode side's cache: the transport's own where it shares device memory (as
+    the encode worker's is); for shm and tcp any cache sends (an shm segment would stay
+    open in this process until the transport goes)."""
+    if name in ("shm", "tcp"):
+        return KVCache(layout, 32, device)
+    return transport.allocate_cache(layout, 32, device)
+
+
 class _Pair:
     """An encode worker's cache and sender, a prefill worker's inbox and waits."""
 
     def __init__(self, name: str) -> None:
         layout = embedding_layout(HIDDEN, torch.float32, block_size=BLOCK)
         encode_side = get_transport(name, secret=SECRET)
-        kv = encode_side.allocate_cache(layout, 32, "cpu")
+        kv = _source_cache(encode_side, name, layout, "cpu")
         self.cache = EmbeddingCache(kv, "tower", FileTierConfig(""))
         self.sender = encode_side.sender(kv)
         prefill_side = get_transport(name, secret=SECRET)
@@ -86,6 +97,8 @@ class _Pair:
         self.sender.close()
         self.waits.close()
         self.cache.close()
+        # drop the caches now: a shm cache's segment lives as long as its tensor
+        self.cache = self.sender = self.waits = self.inbox = None
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -93,6 +106,7 @@ def pair(request):
     p = _Pair(request.param)
     yield p
     p.close()
+    gc.collect()
 
 
 def test_embeddings_land_in_the_reserved_inbox_blocks_exactly(pair):
@@ -154,6 +168,7 @@ import json, sys, msgspec, torch, xxhash
 sys.path.insert(0, sys.argv[4])
 from test_embedding_transport import BLOCK, HIDDEN, SECRET, _request
 from engine.media import EmbeddingInbox, embedding_layout
+from kvstore.layout import KVCache
 from kvstore.transport import get_transport
 from prefill.embeddings import EmbeddingWaits
 name, device, lengths = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -202,7 +217,7 @@ def test_embeddings_reach_a_prefill_worker_in_another_process(name, encode_devic
             torch.cuda.set_device(encode_device)
         layout = embedding_layout(HIDDEN, torch.float32, block_size=BLOCK)
         transport = get_transport(name, secret=SECRET)
-        kv = transport.allocate_cache(layout, 32, encode_device)
+        kv = _source_cache(transport, name, layout, encode_device)
         cache = EmbeddingCache(kv, "tower", FileTierConfig(""))
         sender = transport.sender(kv)
         rows = [_rows(i, n) for i, n in enumerate(LENGTHS)]
