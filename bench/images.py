@@ -20,6 +20,11 @@ embeddings from there into the prefill worker's inbox) and ``in-prefill`` (``--e
 the chat template's: what is saved is the encoding). The prefill worker has no
 embedding cache, so ``in-prefill`` encodes warm images again.
 
+Before any load point, every server of a group answers one image chat with a time limit
+of its own (``--warmup-timeout``; on CUDA the first one JIT-compiles TileLang's kernels
+for the model's shapes unless their cache was restored): its answer and seconds are
+``chat`` in the results, outside every measured point.
+
 Encode throughput: the encode worker's compute seconds (``ferry_encode_compute_seconds``:
 decoding, preprocessing, the tower; each image its share of its batch) over the cold
 load point at the highest concurrency: images encoded / busy seconds.
@@ -73,7 +78,7 @@ def encode_counters(url: str) -> dict[str, float]:
     return found
 
 
-def one_chat(url: str, image_seed: int) -> dict:
+def one_chat(url: str, image_seed: int, timeout: float = 120.0) -> dict:
     """One image chat, not streamed: what the server answered (its usage and text)."""
     from bench.load.workloads import WorkloadSpec, build_sessions
 
@@ -82,7 +87,7 @@ def one_chat(url: str, image_seed: int) -> dict:
     model = httpx.get(f"{url}/v1/models", timeout=30, trust_env=False).json()["data"][0]["id"]
     body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0}
     started = time.perf_counter()
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120, trust_env=False)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout, trust_env=False)
     answer = r.json()
     choice = (answer.get("choices") or [{}])[0]
     return {"status": r.status_code, "seconds": time.perf_counter() - started,
@@ -102,7 +107,6 @@ def run_topology(name: str, url: str, args: argparse.Namespace, tmp: Path,
     """Every load point of one server into ``result``: cold then warm at each concurrency
     (``save`` after each)."""
     base = int(time.time()) % 100_000 * 100  # image seeds no earlier run used
-    result["chat"] = one_chat(url, base + 98)
     bench_point(url, 1, 2, args, base + 99, 99, tmp / f"{name}-warmup.json")
     for c, n in zip(args.concurrency, args.num_requests):
         # words of their own at every point (no prompt prefix reused from another point);
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--serve-flags", default="", help="more ferry serve flags, one string")
     parser.add_argument("--together", action="store_true",
                         help="start every topology's server at once (they run side by side)")
+    parser.add_argument("--warmup-timeout", type=float, default=120.0,
+                        help="seconds the first image chat of each server may take")
     parser.add_argument("--out", default="bench/results/images_cpu.json")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="ferry-images-bench-"))
@@ -201,6 +207,19 @@ def _run_group(group: list[str], args: argparse.Namespace, tmp: Path,
             except Exception as exc:
                 _failed(report, topo, exc, tmp)
                 save()
+        for topo, url in list(urls.items()):  # first chats (kernels compiled): not measured
+            started = time.perf_counter()
+            try:
+                chat = one_chat(url, int(time.time()) % 100_000 * 100 + 98, args.warmup_timeout)
+            except Exception as exc:
+                _failed(report, topo, exc, tmp)
+                del urls[topo]
+                save()
+                continue
+            report["topologies"].setdefault(topo, {})["chat"] = chat
+            print(f"{topo}: first image chat {time.perf_counter() - started:.1f} s, HTTP "
+                  f"{chat['status']}", flush=True)  # fmt: skip
+            save()
         for topo, url in urls.items():
             try:
                 run_topology(topo, url, args, tmp, report["topologies"].setdefault(topo, {}),

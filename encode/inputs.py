@@ -11,7 +11,11 @@ What is read:
 
 Each image is then decoded and checked (``engine.vision.prepare_image``: Pillow, the
 formats, at most ``max_image_pixels`` pixels read from its header, truncated data
-refused), hashed and measured for the model's processor, in a worker thread. Every
+refused), hashed and measured for the model's processor, in a worker thread. An image
+file seen before is not decoded again: ``SeenImages`` keeps, by the sha256 of the file's
+bytes and the processor's settings, what its decoding found (content hash, size, grid,
+tokens), bounded and least recently used first out; the pixel limit is checked against
+the size it kept. Every
 refusal is a ``MediaError`` whose message names the image (``messages.<i>.content.<j>``)
 and says why: the client's 400.
 """
@@ -21,17 +25,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from engine.vision import FORMATS, ImageError, ImageInput, ImageProcessor, prepare_image
+from engine.vision import (
+    FORMATS,
+    Grid,
+    ImageError,
+    ImageInput,
+    ImageProcessor,
+    check_pixels,
+    decode_image,
+)
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_FETCH_TIMEOUT_S = 10.0
+DEFAULT_SEEN_IMAGES = 4096  # files whose decoding a frontend remembers (~250 bytes each)
 
 _DATA_URL = re.compile(r"data:(?P<mime>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
 
@@ -74,24 +90,80 @@ class ImageRef:
     param: str
 
 
+@dataclass(frozen=True)
+class _Seen:
+    content_hash: bytes
+    grid: Grid
+    num_tokens: int
+    format: str
+    width: int
+    height: int
+
+
+class SeenImages:
+    """What decoding an image file found, by the sha256 of its bytes and the processor's
+    settings: an LRU of at most ``max_entries`` (each a few hundred bytes), safe to use
+    from several threads. ``decodes`` and ``hits`` count what ``prepare`` did."""
+
+    def __init__(self, max_entries: int = DEFAULT_SEEN_IMAGES) -> None:
+        if max_entries < 0:
+            raise ValueError("max_entries must not be negative")
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, _Seen] = OrderedDict()
+        self._lock = threading.Lock()
+        self.decodes = self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def prepare(self, processor: ImageProcessor, data: bytes, max_pixels: int) -> ImageInput:
+        """``engine.vision.prepare_image``, without decoding a file seen before."""
+        key = hashlib.sha256(b"ferry-file-1\0" + processor.key + b"\0")
+        key.update(data)
+        digest = key.digest()
+        with self._lock:
+            seen = self._entries.get(digest)
+            if seen is not None:
+                self._entries.move_to_end(digest)
+                self.hits += 1
+        if seen is None:
+            image = decode_image(data, max_pixels)
+            grid = processor.grid(image.width, image.height)
+            seen = _Seen(processor.content_hash(image), grid, processor.num_tokens(grid),
+                         image.format, image.width, image.height)  # fmt: skip
+            with self._lock:
+                self.decodes += 1
+                if self.max_entries:
+                    self._entries[digest] = seen
+                    while len(self._entries) > self.max_entries:
+                        self._entries.popitem(last=False)
+        else:
+            check_pixels(seen.width, seen.height, max_pixels)  # this call's limit
+        return ImageInput(data, seen.content_hash, seen.grid, seen.num_tokens, seen.format)
+
+
 async def load_images(
-    refs: Sequence[ImageRef], processor: ImageProcessor, limits: MediaLimits
-) -> list[ImageInput]:
-    """The images ``refs`` point to, read, decoded, checked, hashed and measured (in
-    order). Raises ``MediaError`` at the first image that cannot be used."""
+    refs: Sequence[ImageRef], processor: ImageProcessor, limits: MediaLimits,
+    seen: SeenImages | None = None,
+) -> list[ImageInput]:  # fmt: skip
+    """The images ``refs`` point to, read, decoded (unless ``seen`` knows the file),
+    checked, hashed and measured (in order). Raises ``MediaError`` at the first image
+    that cannot be used."""
     if len(refs) > limits.max_images:
         raise MediaError(f"The request has {len(refs)} images; at most {limits.max_images} "
                          "are accepted per request.", "messages")  # fmt: skip
     files = [await read_image_url(ref, limits) for ref in refs]
-    return await asyncio.to_thread(_prepare_all, refs, files, processor, limits.max_image_pixels)
+    seen = seen if seen is not None else SeenImages(0)
+    return await asyncio.to_thread(_prepare_all, refs, files, processor,
+                                   limits.max_image_pixels, seen)  # fmt: skip
 
 
 def _prepare_all(refs: Sequence[ImageRef], files: list[bytes], processor: ImageProcessor,
-                 max_pixels: int) -> list[ImageInput]:  # fmt: skip
+                 max_pixels: int, seen: SeenImages) -> list[ImageInput]:  # fmt: skip
     out = []
     for ref, data in zip(refs, files):
         try:
-            out.append(prepare_image(processor, data, max_pixels))
+            out.append(seen.prepare(processor, data, max_pixels))
         except ImageError as exc:
             raise MediaError(f"Invalid image: {exc}.", ref.param) from None
     return out

@@ -89,7 +89,14 @@ class EncodeWorker(WorkerRole):
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.sends)
+        # sends in flight do not make it busy: the shell then polls every
+        # _SENDING_POLL_MS and ticks (collecting finished sends) instead of spinning on
+        # step(), which took a core from the frontend and the prefill worker
+        return bool(self.queue)
+
+    @property
+    def settled(self) -> bool:
+        return not self.queue and not self.sends
 
     @property
     def wait_ms(self) -> int:

@@ -86,9 +86,7 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
         width, height = image.size
         if width < 1 or height < 1:
             raise ImageError(f"the image is {width}x{height} pixels")
-        if width * height > max_pixels:
-            raise ImageError(f"the image is {width}x{height} = {width * height} pixels; "
-                             f"at most {max_pixels} are accepted")  # fmt: skip
+        check_pixels(width, height, max_pixels)
         if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
             raise ImageError(f"the image is {width}x{height}: its sides may differ by a "
                              f"factor of {MAX_ASPECT_RATIO} at most")  # fmt: skip
@@ -98,6 +96,13 @@ def decode_image(data: bytes, max_pixels: int) -> DecodedImage:
         except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated, damaged
             raise ImageError(f"the image data is truncated or damaged ({_why(exc)})") from None
         return DecodedImage(np.ascontiguousarray(pixels, dtype=np.uint8), image.format)
+
+
+def check_pixels(width: int, height: int, max_pixels: int) -> None:
+    """``ImageError`` when a ``width`` x ``height`` image has more than ``max_pixels``."""
+    if width * height > max_pixels:
+        raise ImageError(f"the image is {width}x{height} = {width * height} pixels; "
+                         f"at most {max_pixels} are accepted")  # fmt: skip
 
 
 def _rgb(image: Any) -> np.ndarray:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from prometheus_client import Counter
 
-from encode.inputs import ImageRef, MediaError, load_images
+from encode.inputs import ImageRef, MediaError, SeenImages, load_images
 from engine.client import EngineDeadError, ReaderTooSlow, ServingClient
 from engine.messages import MediaItem, RequestOutput, TokenLogprob
 from engine.sampling_params import GrammarSpec, SamplingParams
@@ -177,6 +177,7 @@ class Serving:
         self.max_tokens_limit = config.max_tokens_limit
         self.request_timeout_s = config.request_timeout_s
         self.media_limits = config.media
+        self.seen_images = SeenImages()  # image files decoded before: not decoded again
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens,
                                    metrics.registry)  # fmt: skip
         self.timeouts = Counter("ferry_request_timeouts", "Requests ended by --request-timeout",
@@ -218,7 +219,7 @@ class Serving:
             raise invalid_request(f"The model `{self.model_name}` does not accept images "
                                   "(it has no vision encoder).", refs[0].param)  # fmt: skip
         try:
-            return await load_images(refs, images.processor, self.media_limits)
+            return await load_images(refs, images.processor, self.media_limits, self.seen_images)
         except MediaError as exc:
             raise invalid_request(exc.message, exc.param) from None
 

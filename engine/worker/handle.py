@@ -48,6 +48,7 @@ from kvstore import auth
 log = logging.getLogger("ferry.workers")
 
 _ROOT = Path(__file__).resolve().parents[2]
+_COPY_BELOW = 1 << 16  # bytes: a frame at least this large is sent without a copy
 
 
 def _ignore_interrupts() -> None:
@@ -245,7 +246,9 @@ class WorkerHandle:
     def send(self, msg: msgspec.Struct) -> None:
         if self.alive:
             with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(self.codec.encode(msg), zmq.NOBLOCK)
+                data = self.codec.encode(msg)
+                # a large frame (an image file) goes without a copy into zmq's own buffer
+                self._sock.send(data, zmq.NOBLOCK, copy=len(data) < _COPY_BELOW)
 
     async def shutdown(self) -> None:
         """Stop a spawned worker (one that never became ready is killed: it would not hear
