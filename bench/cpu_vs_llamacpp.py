@@ -7,7 +7,9 @@
 llama-cpp-python 0.3.36 (its OpenAI server) is installed by this script into a venv of
 its own, ``~/.cache/ferry/bench/llama-cpp-python-0.3.36`` (built from source: ~10 min on
 2 cores, once). Both servers run side by side on the default model's GGUF: ``ferry serve``
-with no flags but the port (frontend + 1 prefill + 1 decode worker), and llama.cpp with
+with no flags but the port and a file tier of its own (frontend + 1 prefill + 1 decode
+worker; the default file tier would serve the prompts of an earlier run, whose seeds are
+the same), and llama.cpp with
 ``--n_threads`` = the machine's cores, ``--n_ctx`` 4096 and ``--interrupt_requests False``
 (by default a request arriving while another streams ends that one: at concurrency 4 its
 16 requests returned 29 tokens in all; queued, they run one at a time). The load points take turns
@@ -169,7 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     report = {"benchmark": "cpu_vs_llamacpp", **machine_info(), "args": vars(args),
               "load_before": os.getloadavg(),
               "servers": {"ferry": {}, "llama.cpp": {}}}  # fmt: skip
-    ferry, ferry_url, healthy_s = start_ferry(args.ferry_flags.split(), tmp / "ferry.log")
+    flags = args.ferry_flags.split()
+    if "--kv-dir" not in flags:  # a file tier of its own: none of an earlier run's prompts
+        flags += ["--kv-dir", str(tmp / "kv")]
+    ferry, ferry_url, healthy_s = start_ferry(flags, tmp / "ferry.log")
     report["servers"]["ferry"]["healthy_after_s"] = round(healthy_s, 2)
     llama, llama_url = start_llama(venv, gguf, args.threads, tmp / "llama.log")
     urls = {"ferry": ferry_url, "llama.cpp": llama_url}
