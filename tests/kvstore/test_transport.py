@@ -266,9 +266,13 @@ def test_a_sender_without_the_cluster_secret_is_refused_and_writes_nothing(name)
     host, port = receiver.endpoint.address.split("/")[0].split(":")
     payload = _source(LAYOUT).layers[0][[1]].numpy().tobytes()
     with socket.create_connection((host, int(port))) as sock:  # frames with no handshake
-        tcp_mod.write_frame(sock, tcp_mod.DATA, "t", 0, [1], payload)
-        sock.settimeout(10)
-        assert _closed_by_peer(sock)
+        try:
+            tcp_mod.write_frame(sock, tcp_mod.DATA, "t", 0, [1], payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the receiver closed on the first bytes, before the frame was all sent
+        else:
+            sock.settimeout(10)
+            assert _closed_by_peer(sock)
     assert not dst.storage.any() and not receiver.landed("t")
     stranger.close()
     receiver.close()
