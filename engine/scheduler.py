@@ -161,7 +161,9 @@ class Scheduler:
                     where.append(i)
                     candidates.append(candidate)
         base_tokens = sum(c.num_tokens for c in chunks)
-        lengths = self.spec.lengths(candidates, base_tokens, sum(c.sample for c in chunks))
+        decode = all(c.sample and c.num_tokens == 1 for c in chunks)
+        lengths = self.spec.lengths(candidates, base_tokens, sum(c.sample for c in chunks),
+                                    decode=decode, limit=budget)  # fmt: skip
         for i, candidate, k in zip(where, candidates, lengths):
             req, n = candidate.request, chunks[i].num_tokens
             k = min(k, budget)
@@ -251,6 +253,8 @@ class Scheduler:
             )
             if reason is not None:
                 self._finish(req, reason)
+        if not self.has_work:
+            self.spec.idle()  # the time until the next step is no step's
         return outputs
 
     def _append(

@@ -27,11 +27,18 @@ had at the previous plan and ranks requests by the latest ones — the source re
 (budget from step N-2's statistics, per-request lengths from N-1's), so that a later
 confidence never decides whether an earlier draft is verified. Without overlap both are
 the latest.
+
+The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard``) may
+veto its drafts for a step: it compares the measured tokens per second of steps that
+verified drafts and of steps that did not, per batch size, and probes the mode it does
+not favour at a small bounded rate. ``observe`` feeds it each step's wall time (the
+interval between two outcomes, ``clock``) and the tokens the step yielded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.config import SpeculativeConfig
@@ -39,6 +46,7 @@ from engine.plan import StepPlan, StepResult
 from engine.request import Request
 from engine.spec.base import Proposal
 from engine.spec.cost import MedianEstimator
+from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
 
 
@@ -64,14 +72,22 @@ class SpecCounters:
     error_milli: int = 0  # sum of |expected - kept| per group
     time_us: int = 0  # measured step time of the steps the cost model predicted
     time_error_us: int = 0  # sum of |predicted - measured|
+    budget: int = 0  # drafts the policy chose, summed over the steps it was asked
+    asked: int = 0  # steps the policy was asked (candidates there)
+    guard_blocked: int = 0  # steps the guard ran without drafts, not probing
+    guard_probes: int = 0  # probe steps (either mode)
+    explored: int = 0  # steps the policy verified a total of a size never measured
 
 
 class SpecDecoding:
     """Drafts and verify lengths for the scheduler (module docstring)."""
 
     def __init__(
-        self, config: SpeculativeConfig, kv_lookahead: int = 0, lagged: bool = False
-    ) -> None:
+        self, config: SpeculativeConfig, kv_lookahead: int = 0, lagged: bool = False,
+        guard: bool | None = None, clock: Callable[[], float] = time.perf_counter,
+    ) -> None:  # fmt: skip
+        """``guard``: the realized-gain guard (default: with the dynamic policy);
+        ``clock``: the wall clock it measures steps with."""
         self.config = config
         self.max_draft = config.max_draft
         self.kv_lookahead = kv_lookahead  # KV slots a model drafter writes past a step's
@@ -81,6 +97,11 @@ class SpecDecoding:
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
         self._planned: dict[str, list[float]] = {}  # survival of the drafts being verified
         self.host = MedianEstimator()  # host seconds per step: plan, launch, fold back
+        if guard is None:
+            guard = config.schedule == "dynamic"
+        self.guard = RealizedGainGuard() if guard and self.enabled else None
+        self.clock = clock
+        self._last_outcome: float | None = None
         k = self.max_draft
         self.counters = SpecCounters([0] * k, [0] * k, [0] * k)
 
@@ -102,11 +123,26 @@ class SpecDecoding:
         return None
 
     def lengths(
-        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int
+        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
+        decode: bool | None = None, limit: int | None = None,
     ) -> list[int]:
-        """Drafts each candidate verifies this step (the policy's choice)."""
+        """Drafts each candidate verifies this step (the policy's choice, unless the guard
+        vetoes it). ``decode``: every chunk of the step is one token (default: as many
+        tokens as sampling chunks); ``limit``: most drafts in all (the token budget left)."""
         if not candidates:
             return []
+        if decode is None:
+            decode = base_tokens == base_yield
+        if self.guard is not None:
+            key = self.guard.regime(base_yield, not decode)
+            probes, blocked = self.guard.probes, self.guard.blocked
+            allowed = self.guard.allow(key)
+            self.counters.guard_probes += self.guard.probes - probes
+            self.counters.guard_blocked += self.guard.blocked - blocked
+            if not allowed:
+                for c in candidates:
+                    self._last_curve[c.request.request_id] = c.curve
+                return [0] * len(candidates)
         curves = [c.curve for c in candidates]
         budget_curves = curves
         if self.lagged:
@@ -117,8 +153,13 @@ class SpecDecoding:
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
         exposed = self.host.value() if self.lagged else 0.0
-        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed)
-        return self.policy.lengths(step)
+        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit)
+        explored = getattr(self.policy, "explored", 0)
+        lengths = self.policy.lengths(step)
+        self.counters.explored += getattr(self.policy, "explored", 0) - explored
+        self.counters.asked += 1
+        self.counters.budget += sum(lengths)
+        return lengths
 
     def verifying(self, request_id: str, curve: list[float]) -> None:
         """The step being planned verifies drafts of ``request_id`` with these survivals."""
@@ -146,15 +187,29 @@ class SpecDecoding:
             counters.expected_milli += round(1000 * expected)
             counters.error_milli += round(1000 * abs(expected - kept))
         counters.steps += verified > 0
+        now = self.clock()
+        interval = None if self._last_outcome is None else now - self._last_outcome
+        self._last_outcome = now
         timing = result.timing
         if timing is not None and not plan.is_empty:
-            predicted = self.policy.predicted_time(plan.num_tokens)
+            decode = all(c.sample and c.num_tokens == c.num_draft + 1 for c in plan.chunks)
+            predicted = self.policy.predicted_time(plan.num_tokens, decode)
             measured = timing.forward_s + timing.sample_s + timing.draft_s
             if predicted is not None:
                 counters.time_us += round(1e6 * measured)
                 counters.time_error_us += round(1e6 * abs(predicted - measured))
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
-                                timing.draft_s)  # fmt: skip
+                                timing.draft_s, decode)  # fmt: skip
+            sampling = sum(c.sample for c in plan.chunks)
+            if (self.guard is not None and sampling and interval is not None
+                    and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)):  # fmt: skip
+                yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
+                key = self.guard.regime(sampling, not decode)
+                self.guard.record(key, verified > 0, yielded, interval)
+
+    def idle(self) -> None:
+        """Nothing is left to run: the wall time until the next outcome measures no step."""
+        self._last_outcome = None
 
     def host_time(self, seconds: float) -> None:
         """One engine step's host work (planning, launching, folding the tokens back):
@@ -180,4 +235,9 @@ class SpecDecoding:
             "spec_error_milli": c.error_milli,
             "spec_time_us": c.time_us,
             "spec_time_error_us": c.time_error_us,
+            "spec_budget_drafts": c.budget,
+            "spec_budget_steps": c.asked,
+            "spec_guard_blocked_steps": c.guard_blocked,
+            "spec_guard_probe_steps": c.guard_probes,
+            "spec_explored_steps": c.explored,
         }
