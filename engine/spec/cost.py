@@ -27,7 +27,8 @@
 
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
-  unmeasured size is worth *exploring* (``measured`` says whether it is). ``fit`` is
+  unmeasured size is worth *exploring* (``measured`` says whether it is, ``frontier``
+  where the first unmeasured size above a step ends). ``fit`` is
   one Theil-Sen line through every point (a summary; pricing is local). The estimator
   is ready once two groups have ``min_group`` samples each.
 - ``StepCostModel``: the three together, ``time(tokens)`` of a whole step.
@@ -114,9 +115,20 @@ class ForwardTimeEstimator:
         return len(kinds[False]) + len(kinds[True]) >= 2
 
     def measured(self, tokens: int, decode: bool = False) -> bool:
-        """Whether the group of a step of ``tokens`` tokens of this kind has samples."""
+        """Whether the group of a step of ``tokens`` tokens of this kind has samples (of
+        the other kind while this one has none, as ``time`` prices it)."""
+        if not self._kind_points()[decode]:
+            decode = not decode  # priced from the other kind's points: measured as those
         g = self._groups.get((decode, graph_size(tokens)))
         return g is not None and len(g) >= self.min_group
+
+    def frontier(self, tokens: int, decode: bool = False) -> int:
+        """The most tokens of a step that stays within the first unmeasured group above
+        ``tokens`` (its graph size; its own if unmeasured)."""
+        size = graph_size(tokens)
+        while self.measured(size, decode):
+            size = graph_size(size + 1)
+        return size
 
     def fit(self) -> tuple[float, float] | None:
         """(baseline, slope) in seconds and seconds per token of one line through every

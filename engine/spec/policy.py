@@ -28,9 +28,11 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   cheaply than measured (``engine.spec.cost``): a size never run costs what the next
   larger measured one costs, or past every measured size as much per token as the
   largest. So an unmeasured size is *explored*: when the optimistic price (the line
-  through the neighbouring sizes) says a total in an unmeasured size pays more than the
-  measured choice, that total is verified once every ``EXPLORE_EVERY`` steps until its
-  size has samples; then its measured cost decides.
+  through the neighbouring sizes) says a total in the first unmeasured size above the
+  step's pays more than the measured choice, that total is verified once every
+  ``EXPLORE_EVERY`` steps until its size has samples; then its measured cost decides, and
+  the next size up may be explored. Sizes are explored one at a time, upwards, so an
+  exploration costs at most one graph size more than what is known.
 """
 
 from __future__ import annotations
@@ -121,9 +123,12 @@ class DynamicPolicy(VerifyPolicy):
         total = best_total(step.budget_curves, step.base_yield, time, step.limit)
         self._since_explore += 1
         if self._since_explore >= EXPLORE_EVERY:
+            # one size past the measured ones at a time: the first unmeasured size's top
+            frontier = self.cost.forward.frontier(step.base_tokens, decode) - step.base_tokens
+            cap = frontier if step.limit is None else min(step.limit, frontier)
             hope = best_total(step.budget_curves, step.base_yield,
-                              lambda n: time(n, optimistic=True), step.limit)  # fmt: skip
-            if hope != total and not self.cost.forward.measured(step.base_tokens + hope, decode):
+                              lambda n: time(n, optimistic=True), cap)  # fmt: skip
+            if hope > total and not self.cost.forward.measured(step.base_tokens + hope, decode):
                 total, self._since_explore = hope, 0
                 self.explored += 1
         return allocate(step.curves, total)

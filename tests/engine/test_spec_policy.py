@@ -463,3 +463,20 @@ def test_guard_keeps_speculation_that_pays_and_bounds_its_probes():
     assert spec.counters.guard_probes <= plain + 2
     assert spec.counters.guard_blocked == 0
     assert rate_of(steps) > 2.5 / 0.007
+
+
+def test_exploration_climbs_one_size_at_a_time_to_drafts_that_pay():
+    """Seeded with small steps only, a batch of 16 whose drafts are free up to 128 rows:
+    priced pessimistically at first, sizes above are explored one graph size at a time
+    (never a jump to one far past what is known) until every draft is verified."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8, 16) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)
+    steps = simulate(spec, jump_past(128), 16, RATES, RATES, 300)
+    measured = [16]
+    for n, _, _ in steps:
+        if n:
+            assert graph_size(16 + n) <= 2 * max(measured)  # one size past the known
+            measured.append(graph_size(16 + n))
+    assert spec.counters.explored <= 3 * 3  # sizes 32, 64, 128: a few samples each
+    assert [n for n, _, _ in steps[-50:]].count(80) >= 45
