@@ -115,21 +115,26 @@ class DynamicPolicy(VerifyPolicy):
             self._explore = not self._explore
             return [0 if self._explore else len(c) for c in step.curves]
         decode = step.decode_only
+        forward = self.cost.forward
+        fixed = self.cost.sampler.value() + self.cost.drafter.value()  # once: medians
+        drafts = sum(len(c) for c in step.budget_curves)
+        if step.limit is not None:
+            drafts = min(drafts, max(step.limit, 0))
 
-        def time(n: int, optimistic: bool = False) -> float:
-            forward = self.cost.time(step.base_tokens + n, decode, optimistic)
-            return forward + (step.exposed_host_s if n else 0.0)
+        def pricer(optimistic: bool) -> Callable[[int], float]:
+            table = forward.times(step.base_tokens, drafts, decode, optimistic)
+            return lambda n: table[n] + fixed + (step.exposed_host_s if n else 0.0)
 
-        total = best_total(step.budget_curves, step.base_yield, time, step.limit)
+        total = best_total(step.budget_curves, step.base_yield, pricer(False), step.limit)
         self._since_explore += 1
         if self._since_explore >= EXPLORE_EVERY:
+            self._since_explore = 0
             # one size past the measured ones at a time: the first unmeasured size's top
-            frontier = self.cost.forward.frontier(step.base_tokens, decode) - step.base_tokens
+            frontier = forward.frontier(step.base_tokens, decode) - step.base_tokens
             cap = frontier if step.limit is None else min(step.limit, frontier)
-            hope = best_total(step.budget_curves, step.base_yield,
-                              lambda n: time(n, optimistic=True), cap)  # fmt: skip
-            if hope > total and not self.cost.forward.measured(step.base_tokens + hope, decode):
-                total, self._since_explore = hope, 0
+            hope = best_total(step.budget_curves, step.base_yield, pricer(True), cap)
+            if hope > total and not forward.measured(step.base_tokens + hope, decode):
+                total = hope
                 self.explored += 1
         return allocate(step.curves, total)
 
@@ -158,13 +163,20 @@ def allocate(curves: Sequence[Sequence[float]], total: int) -> list[int]:
     """Give ``total`` draft slots to the drafts with the highest ``P``: the ``total``
     largest values over every curve (ties: the earlier request, the earlier draft), which
     take a prefix of each request's drafts since a curve never rises."""
-    slots = sorted(
-        ((p, r, i) for r, curve in enumerate(curves) for i, p in enumerate(curve)),
-        key=lambda s: (-s[0], s[1], s[2]),
-    )
-    lengths = [0] * len(curves)
-    for _, r, _ in slots[:total]:
-        lengths[r] += 1
+    if total <= 0:
+        return [0] * len(curves)
+    values = sorted((p for curve in curves for p in curve), reverse=True)
+    if total >= len(values):
+        return [len(curve) for curve in curves]
+    cut = values[total - 1]  # the smallest P given a slot
+    lengths = [sum(1 for p in curve if p > cut) for curve in curves]
+    left = total - sum(lengths)
+    for r, curve in enumerate(curves):  # the ties at the cut, in request order
+        if left <= 0:
+            break
+        take = min(left, sum(1 for p in curve if p == cut))
+        lengths[r] += take
+        left -= take
     return lengths
 
 

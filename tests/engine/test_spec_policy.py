@@ -480,3 +480,21 @@ def test_exploration_climbs_one_size_at_a_time_to_drafts_that_pay():
             measured.append(graph_size(16 + n))
     assert spec.counters.explored <= 3 * 3  # sizes 32, 64, 128: a few samples each
     assert [n for n, _, _ in steps[-50:]].count(80) >= 45
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_forward_times_in_one_pass_equal_time_of_each(seed):
+    rng = random.Random(seed)
+    est = ForwardTimeEstimator(min_group=2)
+    for _ in range(rng.randint(4, 60)):
+        rows = rng.choice([1, 3, 8, 20, 64, 100, 256, 300, 700, 2000])
+        est.add(rows, rng.uniform(0.005, 0.05), decode=rng.random() < 0.5)
+    if not est.ready:
+        return
+    for decode in (False, True):
+        for optimistic in (False, True):
+            start = rng.randint(1, 300)
+            table = est.times(start, 1500, decode, optimistic)
+            for n in range(0, 1501, 7):
+                expected = est.time(start + n, decode, optimistic)
+                assert table[n] == pytest.approx(expected, rel=1e-12, abs=1e-15)
