@@ -79,6 +79,7 @@ class RatesDrafter(Drafter):
     seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests)."""
 
     name = "rates"
+    sees_every_step = False
 
     def __init__(self, rates: Sequence[float]) -> None:
         super().__init__(len(rates))

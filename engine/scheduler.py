@@ -88,7 +88,8 @@ class Scheduler:
         self._add_drafts(chunks, self.config.max_num_batched_tokens - sum(c.num_tokens
                                                                           for c in chunks))
         finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(chunks, new_requests, finished, preempted, self.kv.take_computing())
+        return StepPlan(chunks, new_requests, finished, preempted, self.kv.take_computing(),
+                        propose=self.spec.proposes)  # fmt: skip
 
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
@@ -153,7 +154,7 @@ class Scheduler:
         if not self.spec.enabled or budget <= 0:
             return
         where, candidates = [], []
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(chunks if self.spec.fresh else ()):  # none: nothing to look up
             if chunk.sample:
                 req = self.requests[chunk.request_id]
                 candidate = self.spec.drafts_for(req, self._draft_room(req))

@@ -27,6 +27,12 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   switch, is not a sample): no drafts while speculation is favoured, the policy's choice
   while it is not. So at most ``PROBE_STEPS / WARM_PROBE_EVERY`` of the steps are probes
   while a regime warms up and ``PROBE_STEPS / PROBE_EVERY`` after.
+- While speculation is favoured, the guard is asked (``allow``) only about steps the
+  policy verifies drafts in: a step it verifies none in runs without drafts anyway (a
+  sample of that mode, no probe needed), so it neither counts towards a probe nor is one;
+  a regime where the policy never verifies drafts has no probes at all. While it is not
+  favoured, every step of the regime counts: those the drafter rests in
+  (``SpecDecoding.proposes``) through ``tick``, which says when a probe falls due.
 
 It is a two-armed bandit with forced exploration at a fixed small rate; it does not
 choose *how many* drafts (the policy does), only whether the policy's choice may run.
@@ -57,6 +63,7 @@ class _Regime:
     steps: int = 0
     probe_left: int = 0
     probe_mode: bool = False
+    due: bool = False  # a probe fell due on a step the guard was not asked about (``tick``)
 
 
 class RealizedGainGuard:
@@ -102,19 +109,35 @@ class RealizedGainGuard:
             self.probes += 1
             return r.probe_mode
         favoured = self.favours(key)
-        spec, plain = self.rate(key, True), self.rate(key, False)
-        every = WARM_PROBE_EVERY
-        if spec is not None and plain is not None:
-            every = PROBE_EVERY
-            if max(spec, plain) >= DECISIVE_RATIO * min(spec, plain):
-                every *= DECISIVE_SPACING
-        if r.steps % every == 0:
+        every = self._every(key)
+        if r.steps % every == 0 or r.due:
+            r.due = False
             r.probe_mode, r.probe_left = not favoured, PROBE_STEPS - 1
             self.probes += 1
             return r.probe_mode
         if not favoured:
             self.blocked += 1
         return favoured
+
+    def _every(self, key: tuple[int, bool]) -> int:
+        spec, plain = self.rate(key, True), self.rate(key, False)
+        if spec is None or plain is None:
+            return WARM_PROBE_EVERY
+        if max(spec, plain) >= DECISIVE_RATIO * min(spec, plain):
+            return PROBE_EVERY * DECISIVE_SPACING
+        return PROBE_EVERY
+
+    def tick(self, key: tuple[int, bool]) -> bool:
+        """A step of this regime planned without asking (no drafts proposed for it, the
+        guard having blocked them): it counts towards the next probe while speculation is
+        not favoured. True when that probe is due, so drafts must be proposed again."""
+        if self.favours(key):
+            return False
+        r = self._get(key)
+        r.steps += 1
+        if r.steps % self._every(key) == 0:
+            r.due = True
+        return r.due
 
     def record(self, key: tuple[int, bool], speculated: bool, tokens: int,
                seconds: float) -> None:  # fmt: skip

@@ -28,6 +28,14 @@ had at the previous plan and ranks requests by the latest ones — the source re
 confidence never decides whether an earlier draft is verified. Without overlap both are
 the latest.
 
+Rest. A step that verifies no draft (the dynamic policy's choice, or the guard's veto)
+lets the drafter rest for ``QUIET_STEPS`` steps of the same regime (batch graph size,
+prefill or not; a step of another regime ends it): the plans say so (``proposes``,
+``StepPlan.propose``), the runner asks the drafter for no proposals after them, so those
+steps cost what a step without speculation costs — no drafts proposed, none looked up,
+no policy pricing 256 requests' curves. Then it proposes again and the policy is asked
+again; the guard ends a rest early when its probe of the policy's drafts is due.
+
 The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard``) may
 veto its drafts for a step: it compares the measured tokens per second of steps that
 verified drafts and of steps that did not, per batch size, and probes the mode it does
@@ -48,6 +56,8 @@ from engine.spec.base import Proposal
 from engine.spec.cost import MedianEstimator
 from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
+
+QUIET_STEPS = 16  # steps of a regime the drafter rests after a step that verified none
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,11 @@ class SpecDecoding:
         self.guard = RealizedGainGuard() if guard and self.enabled else None
         self.clock = clock
         self._last_outcome: float | None = None
+        self._quiet = 0  # steps left that the drafter rests (``proposes``)
+        # whether the latest step observed brought proposals: the next plan's drafts can
+        # only be those (older ones guess tokens that are known by now)
+        self.fresh = True
+        self._quiet_key: tuple[int, bool] | None = None
         k = self.max_draft
         self.counters = SpecCounters([0] * k, [0] * k, [0] * k)
 
@@ -129,20 +144,73 @@ class SpecDecoding:
         """Drafts each candidate verifies this step (the policy's choice, unless the guard
         vetoes it). ``decode``: every chunk of the step is one token (default: as many
         tokens as sampling chunks); ``limit``: most drafts in all (the token budget left)."""
-        if not candidates:
-            return []
         if decode is None:
             decode = base_tokens == base_yield
-        if self.guard is not None:
-            key = self.guard.regime(base_yield, not decode)
-            probes, blocked = self.guard.probes, self.guard.blocked
-            allowed = self.guard.allow(key)
-            self.counters.guard_probes += self.guard.probes - probes
-            self.counters.guard_blocked += self.guard.blocked - blocked
-            if not allowed:
-                for c in candidates:
-                    self._last_curve[c.request.request_id] = c.curve
-                return [0] * len(candidates)
+        key = RealizedGainGuard.regime(base_yield, not decode)
+        if not candidates:
+            self._quiet_step(key)
+            return []
+        guard = self.guard
+        if guard is None or guard.favours(key):
+            # the policy first: a step it verifies no draft in is the guard's concern only
+            # as a sample (no probe is needed to run a step without drafts)
+            explored = self.counters.explored
+            lengths = self._ask(candidates, base_tokens, base_yield, decode, limit)
+            if guard is not None and any(lengths) and not self._allow(key):
+                self.counters.budget -= sum(lengths)  # a probe without drafts: not asked
+                self.counters.asked -= 1
+                self.counters.explored = explored
+                lengths = [0] * len(candidates)
+            elif not any(lengths):
+                self._go_quiet(key)
+            return lengths
+        if self._allow(key):  # a probe of the policy's drafts
+            return self._ask(candidates, base_tokens, base_yield, decode, limit)
+        for c in candidates:
+            self._last_curve[c.request.request_id] = c.curve
+        self._go_quiet(key)
+        return [0] * len(candidates)
+
+    def _allow(self, key: tuple[int, bool]) -> bool:
+        guard = self.guard
+        assert guard is not None
+        probes, blocked = guard.probes, guard.blocked
+        allowed = guard.allow(key)
+        self.counters.guard_probes += guard.probes - probes
+        self.counters.guard_blocked += guard.blocked - blocked
+        return allowed
+
+    def _go_quiet(self, key: tuple[int, bool]) -> None:
+        """This step verifies no draft, by the policy's choice or the guard's: the drafter
+        rests for ``QUIET_STEPS`` steps of the same regime (``proposes``)."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None and not cost.ready:
+            return  # seeding its cost model: every other step verifies all
+        self._quiet, self._quiet_key = QUIET_STEPS, key
+
+    def _quiet_step(self, key: tuple[int, bool]) -> None:
+        """A step planned without candidates: count down the drafter's rest."""
+        if self._quiet <= 0:
+            return
+        if key != self._quiet_key:
+            self._quiet = 0  # another batch, another answer: ask again
+            return
+        self._quiet -= 1
+        if self.guard is not None and self.guard.tick(key):
+            self._quiet = 0  # the guard's probe is due: it needs drafts
+
+    @property
+    def proposes(self) -> bool:
+        """Whether the drafter proposes after the step being planned: not while it rests
+        (the policy or the guard verified no draft in this regime lately; module
+        docstring)."""
+        return self._quiet <= 0
+
+    def _ask(
+        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
+        decode: bool, limit: int | None,
+    ) -> list[int]:  # fmt: skip
+        """The policy's lengths for the candidates."""
         curves = [c.curve for c in candidates]
         budget_curves = curves
         if self.lagged:
@@ -168,6 +236,7 @@ class SpecDecoding:
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Take in a step's outcome: next proposals, times, kept drafts."""
         counters = self.counters
+        self.fresh = bool(result.proposals)
         for rid, proposal in result.proposals.items():
             self._proposals[rid] = proposal
             for j in range(min(len(proposal.token_ids), self.max_draft)):

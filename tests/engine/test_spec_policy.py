@@ -498,3 +498,73 @@ def test_forward_times_in_one_pass_equal_time_of_each(seed):
             for n in range(0, 1501, 7):
                 expected = est.time(start + n, decode, optimistic)
                 assert table[n] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def _idle_spec(guard: bool = True) -> SpecDecoding:
+    """A dynamic policy whose cost model says no draft pays: a step costs ~its tokens."""
+    spec = dynamic_spec(guard)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256) * 3:
+        spec.policy.observe(rows, 0.001 * rows, 0.0, 0.0, decode=True)
+    return spec
+
+
+def test_the_drafter_rests_while_the_policy_verifies_nothing():
+    """A step the policy verifies no draft in lets the drafter rest QUIET_STEPS steps of its
+    regime (no candidates then); after that it proposes again and the policy is asked;
+    a step of another regime ends the rest at once."""
+    from engine.spec.manager import QUIET_STEPS
+
+    spec = _idle_spec()
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    assert spec.proposes
+    assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+    assert not spec.proposes
+    for _ in range(QUIET_STEPS - 1):
+        assert spec.lengths([], 64, 64, decode=True, limit=10_000) == []
+        assert not spec.proposes
+    spec.lengths([], 64, 64, decode=True, limit=10_000)
+    assert spec.proposes
+    spec.lengths(cands, 64, 64, decode=True, limit=10_000)
+    assert not spec.proposes
+    spec.lengths([], 8, 8, decode=True, limit=10_000)  # a batch of another graph size
+    assert spec.proposes
+    assert spec.counters.guard_probes == 0  # nothing to probe: no step verified drafts
+
+
+def test_no_draft_probes_only_on_steps_the_policy_verifies_drafts_in():
+    """The guard favours speculation and the policy verifies nothing: no probes (they were
+    a quarter of the steps while the drafts' mode had no samples)."""
+    spec = _idle_spec()
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    for _ in range(200):
+        spec.lengths(cands, 64, 64, decode=True, limit=10_000)
+    assert spec.counters.guard_probes == 0 and spec.counters.guard_blocked == 0
+
+
+def test_a_blocked_regime_still_probes_at_its_rate_while_the_drafter_rests():
+    """Speculation measured slower: the guard blocks and the drafter rests; the steps it
+    rests in count towards the guard's probe, which ends the rest when due, so the probes
+    keep their stated rate per step of the regime."""
+    from engine.spec.guard import PROBE_EVERY
+
+    spec = dynamic_spec()
+    key = spec.guard.regime(16, False)
+    for speculated, seconds in ((True, 0.02), (False, 0.01)):  # drafts at half the rate
+        for _ in range(9):  # the first after a switch is no sample
+            spec.guard.record(key, speculated, 16, seconds)
+    assert not spec.guard.favours(key)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)  # drafts look free
+    reqs = [request(f"r{i}") for i in range(16)]
+    cands = [Candidate(r, [0] * 5, survival([0.9] * 5)) for r in reqs]
+    verified = proposing = 0
+    n = 8 * PROBE_EVERY
+    for _ in range(n):
+        proposing += spec.proposes
+        lengths = spec.lengths(cands if spec.proposes else [], 16, 16, decode=True,
+                               limit=10_000)  # fmt: skip
+        verified += bool(sum(lengths))
+    assert 0 < verified <= 2 * n // PROBE_EVERY + 2
+    assert proposing <= n // 8
