@@ -161,10 +161,11 @@ class Scheduler:
                 if candidate is not None:
                     where.append(i)
                     candidates.append(candidate)
-        base_tokens = sum(c.num_tokens for c in chunks)
-        decode = all(c.sample and c.num_tokens == 1 for c in chunks)
-        lengths = self.spec.lengths(candidates, base_tokens, sum(c.sample for c in chunks),
-                                    decode=decode, limit=budget)  # fmt: skip
+        base_tokens = self.config.max_num_batched_tokens - budget
+        sampling = sum(1 for c in chunks if c.sample)
+        decode = base_tokens == sampling == len(chunks)  # every chunk one token, sampled
+        lengths = self.spec.lengths(candidates, base_tokens, sampling, decode=decode,
+                                    limit=budget)  # fmt: skip
         for i, candidate, k in zip(where, candidates, lengths):
             req, n = candidate.request, chunks[i].num_tokens
             k = min(k, budget)

@@ -29,12 +29,14 @@ confidence never decides whether an earlier draft is verified. Without overlap b
 the latest.
 
 Rest. A step that verifies no draft (the dynamic policy's choice, or the guard's veto)
-lets the drafter rest for ``QUIET_STEPS`` steps of the same regime (batch graph size,
+lets the drafter rest for ``QUIET_STEPS`` (32) steps of the same regime (batch graph size,
 prefill or not; a step of another regime ends it): the plans say so (``proposes``,
 ``StepPlan.propose``), the runner asks the drafter for no proposals after them, so those
 steps cost what a step without speculation costs — no drafts proposed, none looked up,
 no policy pricing 256 requests' curves. Then it proposes again and the policy is asked
-again; the guard ends a rest early when its probe of the policy's drafts is due.
+again (under overlap the plan after waits one step more for those proposals, instead of
+proposing a second time); the guard ends a rest early when its probe of the policy's
+drafts is due.
 
 The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard``) may
 veto its drafts for a step: it compares the measured tokens per second of steps that
@@ -57,7 +59,7 @@ from engine.spec.cost import MedianEstimator
 from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
 
-QUIET_STEPS = 16  # steps of a regime the drafter rests after a step that verified none
+QUIET_STEPS = 32  # steps of a regime the drafter rests after a step that verified none
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class SpecDecoding:
         # only be those (older ones guess tokens that are known by now)
         self.fresh = True
         self._quiet_key: tuple[int, bool] | None = None
+        self._resumed = False  # the rest ended at the latest plan (lagged: one more waits)
+        self._holding = False  # the plan being made waits for the proposals of the last one
         k = self.max_draft
         self.counters = SpecCounters([0] * k, [0] * k, [0] * k)
 
@@ -147,9 +151,11 @@ class SpecDecoding:
         if decode is None:
             decode = base_tokens == base_yield
         key = RealizedGainGuard.regime(base_yield, not decode)
+        self._holding = False
         if not candidates:
             self._quiet_step(key)
             return []
+        self._resumed = False
         guard = self.guard
         if guard is None or guard.favours(key):
             # the policy first: a step it verifies no draft in is the guard's concern only
@@ -191,6 +197,8 @@ class SpecDecoding:
     def _quiet_step(self, key: tuple[int, bool]) -> None:
         """A step planned without candidates: count down the drafter's rest."""
         if self._quiet <= 0:
+            if self._resumed:  # lagged: the proposals after the step that ended the rest
+                self._resumed, self._holding = False, True  # come with the next plan
             return
         if key != self._quiet_key:
             self._quiet = 0  # another batch, another answer: ask again
@@ -198,13 +206,14 @@ class SpecDecoding:
         self._quiet -= 1
         if self.guard is not None and self.guard.tick(key):
             self._quiet = 0  # the guard's probe is due: it needs drafts
+        self._resumed = self._quiet == 0 and self.lagged
 
     @property
     def proposes(self) -> bool:
         """Whether the drafter proposes after the step being planned: not while it rests
         (the policy or the guard verified no draft in this regime lately; module
         docstring)."""
-        return self._quiet <= 0
+        return self._quiet <= 0 and not self._holding
 
     def _ask(
         self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
