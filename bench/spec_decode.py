@@ -12,8 +12,11 @@ sentences: the answer repeats the passage). Each arm is one in-process ``EngineC
 turns, round after round, so that machine load shifting during the run hits them alike.
 Reported per task, concurrency and arm: output tok/s (median over rounds), the mean
 acceptance length (tokens a request gets per step that verifies its drafts: 1 + mean
-drafts kept), the mean verify budget per step, and whether the greedy outputs are those of
-the arm without speculation. A PNG plots tok/s against concurrency per arm.
+drafts kept), the mean verify budget per verifying step and the policy's per step it was
+asked, the step-cost model's and the acceptance estimate's errors, the steps that
+verified, the realized-gain guard's blocked and probe steps and the steps that explored
+an unmeasured size, and whether the greedy outputs are those of the arm without
+speculation. A PNG plots tok/s against concurrency per arm.
 
 ``run_arms`` and ``plot`` are shared with ``bench.spec_decode_gpu`` (the H200 run).
 """
@@ -105,6 +108,14 @@ def run_load(core: EngineCore, jobs: Sequence[Job], concurrency: int, tag: str) 
         ],
         "step_time_error": (after.spec_time_error_us - before.spec_time_error_us)
         / max(1, after.spec_time_us - before.spec_time_us),
+        "acceptance_estimate_error": (after.spec_error_milli - before.spec_error_milli)
+        / 1000 / groups if groups else 0.0,
+        "policy_budget_per_step": (after.spec_budget_drafts - before.spec_budget_drafts)
+        / max(1, after.spec_budget_steps - before.spec_budget_steps),
+        "verify_steps": verify_steps,
+        "guard_blocked_steps": after.spec_guard_blocked_steps - before.spec_guard_blocked_steps,
+        "guard_probe_steps": after.spec_guard_probe_steps - before.spec_guard_probe_steps,
+        "explored_steps": after.spec_explored_steps - before.spec_explored_steps,
         "steps": steps,
         "tokens": [tokens[i] for i in range(len(jobs))],
     }
@@ -169,10 +180,12 @@ def _record(workload: str, c: int, arm: str, rs: list[dict], reference: list | N
     """One (workload, concurrency, arm) point from its rounds' runs."""
     same = [a == b for run in rs for a, b in zip(run["tokens"], reference or run["tokens"])]
     out = {"workload": workload, "concurrency": c, "arm": arm}
-    for key in ("tok_s", "acceptance_length", "verify_budget_per_step", "step_time_error"):
+    for key in ("tok_s", "acceptance_length", "verify_budget_per_step", "step_time_error",
+                "acceptance_estimate_error", "policy_budget_per_step"):  # fmt: skip
         out[key] = statistics.median(x[key] for x in rs)
     out["tok_s_runs"] = [x["tok_s"] for x in rs]
-    for key in ("accepted_by_position", "verified_by_position", "output_tokens", "steps"):
+    for key in ("accepted_by_position", "verified_by_position", "output_tokens", "steps",
+                "verify_steps", "guard_blocked_steps", "guard_probe_steps", "explored_steps"):
         out[key] = rs[-1][key]
     out["outputs_equal_none"] = sum(same) / len(same)
     return out
@@ -182,7 +195,9 @@ def _line(r: dict) -> str:
     return (f"{r['workload']:>18} c={r['concurrency']:<4} {r['arm']:>9}: "
             f"{r['tok_s']:8.1f} tok/s, acceptance length {r['acceptance_length']:.2f}, "
             f"budget {r['verify_budget_per_step']:.1f}, same as none "
-            f"{r['outputs_equal_none']:.0%}")  # fmt: skip
+            f"{r['outputs_equal_none']:.0%}, steps {r['steps']} ({r['verify_steps']} "
+            f"verifying, guard {r['guard_blocked_steps']} blocked / "
+            f"{r['guard_probe_steps']} probes)")  # fmt: skip
 
 
 def plot(records: list[dict], path: Path, title: str) -> None:

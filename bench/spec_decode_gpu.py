@@ -2,7 +2,9 @@
 
     python -m bench.spec_decode_gpu --out $OUT/spec_decode_h200.json
     python -m bench.spec_decode_gpu --device cpu --preset tiny --dtype float32 \\
-        --concurrency 1,4,16 --out bench/results/spec_decode_tiny_cpu.json    # a dry run
+        --concurrency 1,4,16 --waves 1 --output-len 24 --budget-s 300 \\
+        --kv-cache-memory-gb 0.5 --prefill-min-requests 4 \\
+        --out bench/results/spec_decode_tiny_cpu.json    # a dry run
 
 First the correctness checks: a tiny Llama (``dummy:tiny``) with prompt lookup (fixed
 k = 3, dynamic K = 5) against no speculation, greedy, in float32 on the CPU (the share of
@@ -22,19 +24,34 @@ first rejected one is token 1), and it reports ``rates`` as its confidence, the 
 drafter the dynamic policy assumes. The verifier is the engine's own.
 
 One ``EngineCore`` (weights, KV cache and CUDA graphs once) runs every arm: an arm is its
-own ``SpecDecoding`` (its policy and cost model kept across points, as a server keeps
-them) and the drafter or none. Workloads, each at every concurrency (closed loop):
-``decode`` (as many requests as the concurrency, short prompts) and ``prefill-heavy``
-(twice as many requests with longer prompts and shorter answers, so that new prompts'
-chunks share steps with the others' verification). Every arm errs alone: its record holds
-the error and the run goes on; past ``--budget-s`` the points left are recorded as skipped.
+own ``SpecDecoding`` (its policy, cost model and realized-gain guard kept across points,
+as a server keeps them) and the drafter or none. Workloads, each at every concurrency
+(closed loop): ``decode`` (``--waves`` x the concurrency requests, short prompts, 128
+tokens out: some 500 steps a point, so the dynamic arm's estimators and guard settle and
+its exploration and probes are a small part of the point) and ``prefill-heavy``
+(``--prefill-waves`` x twice the concurrency, at least ``--prefill-min-requests``,
+longer prompts and shorter answers, so that
+new prompts' chunks share steps with the others' verification). Every arm errs alone: its
+record holds the error and the run goes on; past ``--budget-s`` (sized so the whole sweep
+ends within ~8 minutes on an H200) the points left are recorded as skipped.
+
+Each record holds, beside tok/s: the drafts verified per verifying step and the policy's
+budget per step it was asked, the step-cost model's relative error and the acceptance
+estimate's mean error, the steps that verified, the guard's blocked and probe steps and
+the steps that explored an unmeasured size. The dynamic arm's steps are traced one line
+each (``*_trace.jsonl``: point, tokens, drafts, tokens yielded, wall interval, device
+time, predicted time, the guard's cumulative blocked and probe counts). At the end the
+JSON, the PNG and the trace are packed into one ``.tar.gz`` beside the JSON (the trace
+lives only there).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
+import tarfile
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -47,6 +64,7 @@ from bench.spec_decode import Job, arms, plot, run_arms, run_load
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.llm import LLM
+from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.spec import Drafter, DraftStep, Proposal, register_drafter
 from engine.spec.manager import SpecDecoding
@@ -61,6 +79,7 @@ class RatesDrafter(Drafter):
     seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests)."""
 
     name = "rates"
+    sees_every_step = False
 
     def __init__(self, rates: Sequence[float]) -> None:
         super().__init__(len(rates))
@@ -109,10 +128,49 @@ def use(core: EngineCore, spec: SpecDecoding, drafter: Drafter | None) -> Engine
     return core
 
 
+class TracedSpecDecoding(SpecDecoding):
+    """``SpecDecoding`` that keeps one line per step it observes (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.trace: list[list] = []
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        last = self._last_outcome
+        decode = all(c.sample and c.num_tokens == c.num_draft + 1 for c in plan.chunks)
+        predicted = None if plan.is_empty else self.policy.predicted_time(plan.num_tokens,
+                                                                          decode)  # fmt: skip
+        super().observe(plan, result)
+        timing = result.timing
+        if plan.is_empty or timing is None:
+            return
+        yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
+        point = plan.chunks[0].request_id.rsplit("-", 1)[0]
+        interval = None if last is None else self._last_outcome - last
+        guard = self.guard
+        self.trace.append([
+            point, plan.num_tokens, plan.num_draft_tokens, yielded,
+            None if interval is None else round(interval, 6),
+            round(timing.forward_s + timing.sample_s + timing.draft_s, 6),
+            None if predicted is None else round(predicted, 6),
+            guard.blocked if guard else 0, guard.probes if guard else 0,
+        ])  # fmt: skip
+
+
+TRACE_FIELDS = ["point", "tokens", "drafts", "yielded", "interval_s", "device_s",
+                "predicted_s", "guard_blocked", "guard_probes"]  # fmt: skip
+
+
 def arm_cores(core: EngineCore, drafter: Drafter, method: str) -> dict[str, Callable]:
     """Arm name -> readies ``core`` for that arm, each arm its own ``SpecDecoding``."""
-    specs = {a.name: SpecDecoding(a.speculative, 0, lagged=core.overlap) for a in arms(method)}
-    return {name: (lambda s=s: use(core, s, drafter)) for name, s in specs.items()}
+    specs = {
+        a.name: (TracedSpecDecoding if a.name == "dynamic" else SpecDecoding)(
+            a.speculative, 0, lagged=core.overlap)
+        for a in arms(method)
+    }  # fmt: skip
+    runs = {name: (lambda s=s: use(core, s, drafter)) for name, s in specs.items()}
+    runs["dynamic"].spec = specs.get("dynamic")  # type: ignore[attr-defined]
+    return runs
 
 
 def _random_prompt(rng: random.Random, n: int) -> list[int]:
@@ -122,12 +180,14 @@ def _random_prompt(rng: random.Random, n: int) -> list[int]:
 def workloads(args: argparse.Namespace) -> dict[str, Callable[[int], list[Job]]]:
     def decode(c: int) -> list[Job]:
         rng = random.Random(c)
-        return [Job(_random_prompt(rng, args.input_len), args.output_len) for _ in range(c)]
+        return [Job(_random_prompt(rng, args.input_len), args.output_len)
+                for _ in range(args.waves * c)]  # fmt: skip
 
     def prefill_heavy(c: int) -> list[Job]:
         rng = random.Random(1000 + c)
+        n = max(2 * args.prefill_waves * c, args.prefill_min_requests)
         return [Job(_random_prompt(rng, args.prefill_len), args.prefill_output_len)
-                for _ in range(2 * c)]  # fmt: skip
+                for _ in range(n)]  # fmt: skip
 
     return {"decode": decode, "prefill-heavy": prefill_heavy}
 
@@ -201,7 +261,13 @@ def main() -> None:
     )
     ap.add_argument("--concurrency", default="1,16,64,128,256")
     ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=40)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=4,
+                    help="decode: this many x the concurrency requests, closed loop")
+    ap.add_argument("--prefill-waves", type=int, default=2,
+                    help="prefill-heavy: this many x twice the concurrency requests")
+    ap.add_argument("--prefill-min-requests", type=int, default=32,
+                    help="prefill-heavy: at least this many requests (low concurrency)")
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--prefill-output-len", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -210,7 +276,7 @@ def main() -> None:
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=105.0,
+        default=360.0,
         help="points not started this long after start are skipped",
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_h200.json"))
@@ -254,9 +320,10 @@ def main() -> None:
         core.runner.model.model.norm.weight.zero_()  # every logit 0: greedy picks RIGHT
     cores = arm_cores(core, rates_drafter, "rates")
     loads = workloads(args)
+    warm = random.Random(7)
     for name in cores:  # warm up: kernels of each step shape built, cost models seeded
-        run_load(cores[name](), loads["decode"](4), 4, "warm")
-        run_load(cores[name](), loads["prefill-heavy"](2), 2, "warm")
+        run_load(cores[name](), [Job(_random_prompt(warm, args.input_len), 16)] * 4, 4, "warm")
+        run_load(cores[name](), [Job(_random_prompt(warm, args.prefill_len), 8)] * 2, 2, "warm")
     result["warm_s"] = time.perf_counter() - start
     log(f"warm at {result['warm_s']:.1f} s")
     save()
@@ -269,7 +336,23 @@ def main() -> None:
     plot(records, args.out.with_suffix(".png"), result["title"])
     for line in result["summary"]:
         log(line)
-    log(f"wrote {args.out} in {result['total_s']:.0f} s")
+    archive = pack(args.out, cores["dynamic"].spec.trace)  # type: ignore[attr-defined]
+    log(f"wrote {args.out} and {archive} in {time.perf_counter() - start:.0f} s")
+
+
+def pack(out: Path, trace: list[list]) -> Path:
+    """The JSON, its PNG (where drawn) and the dynamic arm's step trace in one archive."""
+    archive = out.with_suffix(".tar.gz")
+    lines = [json.dumps(TRACE_FIELDS)] + [json.dumps(row) for row in trace]
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in (out, out.with_suffix(".png")):
+            if path.exists():
+                tar.add(path, arcname=path.name)
+        data = ("\n".join(lines) + "\n").encode()
+        info = tarfile.TarInfo(f"{out.stem}_trace.jsonl")
+        info.size, info.mtime = len(data), int(time.time())
+        tar.addfile(info, io.BytesIO(data))
+    return archive
 
 
 def _engine(args: argparse.Namespace, rates: list[float], max_seqs: int) -> EngineCore:
@@ -298,7 +381,10 @@ def summary(records: list[dict]) -> list[str]:
                 f"tok/s: x{rec['vs_none']:.3f} none, x{rec['vs_best_fixed']:.3f} best fixed, "
                 f"x{rec['vs_fixed_5']:.3f} fixed-5; best other {best['arm']}, acceptance "
                 f"length {rec['acceptance_length']:.2f}, budget "
-                f"{rec['verify_budget_per_step']:.0f}"
+                f"{rec['verify_budget_per_step']:.1f} per verifying step "
+                f"({rec['verify_steps']}/{rec['steps']} steps verified), step time error "
+                f"{rec['step_time_error']:.3f}, guard {rec['guard_blocked_steps']} blocked / "
+                f"{rec['guard_probe_steps']} probes, {rec['explored_steps']} explored"
             )
     return lines
 

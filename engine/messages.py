@@ -154,6 +154,11 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_error_milli: int = 0  # sum over groups of |expected - kept|, x1000
     spec_time_us: int = 0  # measured time of the steps whose time the cost model predicted
     spec_time_error_us: int = 0  # sum of |predicted - measured| step time
+    spec_budget_drafts: int = 0  # drafts the verify policy chose, summed over its steps
+    spec_budget_steps: int = 0  # steps the policy was asked (some request had drafts)
+    spec_guard_blocked_steps: int = 0  # steps the realized-gain guard ran without drafts
+    spec_guard_probe_steps: int = 0  # the guard's probe steps (either mode)
+    spec_explored_steps: int = 0  # steps verifying a total of a step size never measured
 
 
 class WorkerReady(msgspec.Struct, tag=True, frozen=True):

@@ -84,6 +84,9 @@ class StepPlan:
     # (block, hash) published for this step, whose content it computes: written through to
     # the KV tiers once it has run
     computing: list = field(default_factory=list)
+    # whether the drafter proposes drafts after this step (False: the verify policy has
+    # verified none lately, SpecDecoding.proposes; a model drafter still sees the step)
+    propose: bool = True
 
     @property
     def num_tokens(self) -> int:

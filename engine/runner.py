@@ -454,6 +454,8 @@ class ModelRunner:
         its grammar would reject a draft."""
         if self.drafter is None:
             return {}
+        if not launched.plan.propose and not self.drafter.sees_every_step:
+            return {}  # nothing to propose, nothing to keep up to date
         chunks = launched.plan.chunks
         num_real, token_ids, requests = [], [], []
         for chunk in chunks:
@@ -468,7 +470,7 @@ class ModelRunner:
                 continue
             sp = state.new.sampling
             room = min(self.drafter.max_draft, sp.max_tokens - len(state.output_token_ids) - 1)
-            if self.proposes and sp.speculative and room > 0:
+            if self.proposes and launched.plan.propose and sp.speculative and room > 0:
                 requests.append(DraftRequest(chunk.request_id, token_ids[-1],
                                              chunk.block_ids, room))  # fmt: skip
         step = DraftStep(chunks, num_real, token_ids, requests, launched.hidden)

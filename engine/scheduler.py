@@ -88,7 +88,8 @@ class Scheduler:
         self._add_drafts(chunks, self.config.max_num_batched_tokens - sum(c.num_tokens
                                                                           for c in chunks))
         finished, self._finished_ids = self._finished_ids, []
-        return StepPlan(chunks, new_requests, finished, preempted, self.kv.take_computing())
+        return StepPlan(chunks, new_requests, finished, preempted, self.kv.take_computing(),
+                        propose=self.spec.proposes)  # fmt: skip
 
     def _schedule_running(
         self, budget: int, chunks: list[ScheduledChunk], preempted: list[str]
@@ -153,15 +154,18 @@ class Scheduler:
         if not self.spec.enabled or budget <= 0:
             return
         where, candidates = [], []
-        for i, chunk in enumerate(chunks):
+        for i, chunk in enumerate(chunks if self.spec.fresh else ()):  # none: nothing to look up
             if chunk.sample:
                 req = self.requests[chunk.request_id]
                 candidate = self.spec.drafts_for(req, self._draft_room(req))
                 if candidate is not None:
                     where.append(i)
                     candidates.append(candidate)
-        base_tokens = sum(c.num_tokens for c in chunks)
-        lengths = self.spec.lengths(candidates, base_tokens, sum(c.sample for c in chunks))
+        base_tokens = self.config.max_num_batched_tokens - budget
+        sampling = sum(1 for c in chunks if c.sample)
+        decode = base_tokens == sampling == len(chunks)  # every chunk one token, sampled
+        lengths = self.spec.lengths(candidates, base_tokens, sampling, decode=decode,
+                                    limit=budget)  # fmt: skip
         for i, candidate, k in zip(where, candidates, lengths):
             req, n = candidate.request, chunks[i].num_tokens
             k = min(k, budget)
@@ -251,6 +255,8 @@ class Scheduler:
             )
             if reason is not None:
                 self._finish(req, reason)
+        if not self.has_work:
+            self.spec.idle()  # the time until the next step is no step's
         return outputs
 
     def _append(

@@ -90,6 +90,15 @@ def _spec_metrics(s: EngineStats) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"ferry_{name}", doc, value=value)
     yield CounterMetricFamily("ferry_spec_verify_steps", "Steps that verified drafts",
                               value=steps)  # fmt: skip
+    for name, doc, value in (
+        ("spec_guard_blocked_steps", "Steps the realized-gain guard ran without the verify "
+         "policy's drafts (speculation measured slower there)", s.spec_guard_blocked_steps),
+        ("spec_guard_probe_steps", "The realized-gain guard's probe steps, either mode",
+         s.spec_guard_probe_steps),
+        ("spec_explored_steps", "Steps that verified a total of a step size the cost model "
+         "had not measured", s.spec_explored_steps),
+    ):  # fmt: skip
+        yield CounterMetricFamily(f"ferry_{name}", doc, value=value)
 
 
 def _tier_metrics(s: EngineStats) -> Iterator[Metric]:

@@ -7,6 +7,8 @@
   ``draft`` (a small model with the target's tokenizer).
 - ``policy``: how many drafts each request verifies in a step (``fixed``, ``dynamic``).
 - ``cost``: the online step-cost estimators the dynamic policy uses.
+- ``guard``: the realized-gain guard, which keeps the dynamic policy's drafts off where
+  they measured fewer tokens per second than no drafts.
 - ``manager``: ``SpecDecoding``, the object the scheduler asks.
 
 Verification itself is the sampler's (``engine.sampler``, ``Sampler.verify``); the runner

@@ -102,6 +102,9 @@ class Drafter(ABC):
 
     name = "drafter"
     needs_hidden = False  # whether ``DraftStep.hidden`` must be filled
+    # whether ``propose`` must see a step after which nothing is proposed (a model drafter
+    # writes the KV of its tokens); False: such a step is not shown to it at all
+    sees_every_step = True
     kv_lookahead = 0  # positions past the verified tokens whose KV slots it writes
 
     def __init__(self, max_draft: int) -> None:

@@ -2,18 +2,35 @@
 
 - ``MedianEstimator``: the median of the last ``window`` samples once ``min_samples``
   are in (the sampler's time per step, the drafter's).
-- ``ForwardTimeEstimator``: the target forward's time as ``baseline + slope x tokens``.
-  Samples (the step's tokens, prefill ones included, and its forward time) are kept in a
-  window and grouped by graph size (the CUDA graph bucket a decode step of that many
-  rows replays; on the CPU the same power-of-two groups); each group gives a point
-  (median tokens, median time), so an outlier step moves nothing. ``fit`` is one line
-  through all points: the slope the median of the slopes between every two (Theil-Sen),
-  the baseline the median of ``time - slope x tokens``. ``time`` is local: the line
-  through the two points on either side of the step's size (past the last point, the
-  last two; slopes never below 0), since a forward is flat while it reads weights and
-  climbs once its matmuls are compute-bound, and one line through both regimes would
-  price a large verify step at the slope of small ones. It is ready once two groups
-  have enough samples.
+- ``ForwardTimeEstimator``: the target forward's time per step size. Samples (the step's
+  tokens, prefill ones included, and its forward time) are kept per *kind* and *graph
+  size*: the kind says whether every chunk of the step is one token plus drafts (a decode
+  step: the runner runs it as rows of the decode path, a CUDA graph by bucket of rows up
+  to the captured size, eagerly past it) or not (a step with prefill: eager, its cost
+  growing with its tokens); the graph size is the CUDA graph bucket a decode step of that
+  many rows replays (on the CPU the same power-of-two groups). Each group keeps its last
+  ``group_window`` samples and gives a point (median tokens, median time), so an outlier
+  step moves nothing and a group follows a regime change within a few steps.
+
+  ``time(tokens, decode)`` prices a step from its own kind's points, and never more
+  cheaply than what was measured:
+
+  * a measured group: its median time (a graph replays the whole bucket, so a step is
+    flat inside it), climbing past the group's median tokens along the line to the next
+    measured point of that kind (eager steps inside a group do grow);
+  * a group never measured below a measured one: the cost of that next larger measured
+    group (a forward never costs less for more tokens; the line between the two would
+    price a step past a graph's size as if it still replayed one);
+  * past the largest measured point: that point's time per token times the tokens (as if
+    the forward had no headroom left), or the line along the last two points where that
+    climbs faster; steps there are unknown, not cheap.
+
+  ``time(..., optimistic=True)`` is the old line through the points on either side
+  (past the last, along the last two): what the policy uses to decide whether an
+  unmeasured size is worth *exploring* (``measured`` says whether it is, ``frontier``
+  where the first unmeasured size above a step ends). ``fit`` is
+  one Theil-Sen line through every point (a summary; pricing is local). The estimator
+  is ready once two groups have ``min_group`` samples each.
 - ``StepCostModel``: the three together, ``time(tokens)`` of a whole step.
 """
 
@@ -56,62 +73,187 @@ def graph_size(tokens: int) -> int:
     return size
 
 
+Point = tuple[float, float]  # median tokens, median seconds of one group
+
+
 class ForwardTimeEstimator:
-    """Forward time = baseline + slope x tokens (module docstring)."""
+    """Forward time per step size and kind (module docstring)."""
 
-    def __init__(self, window: int = 5000, min_group: int = 3) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, group_window: int = 24, min_group: int = 3) -> None:
+        self.group_window = group_window
         self.min_group = min_group
-        self._fit: tuple[float, float] | None = None
-        self._points: list[tuple[float, float]] = []  # per group: median tokens, median time
-        self._stale = True
+        self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
+        self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
+        self._cache: dict[bool, tuple[list[int], list[Point]]] | None = None
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self._samples.append((tokens, seconds))
-        self._stale = True
+    def add(self, tokens: int, seconds: float, decode: bool = False) -> None:
+        key = (decode, graph_size(tokens))
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = deque(maxlen=self.group_window)
+        group.append((tokens, seconds))
+        self._points = self._cache = None
+
+    def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
+        if self._points is None:
+            points: dict[bool, list[tuple[int, Point]]] = {False: [], True: []}
+            for (decode, size), g in sorted(self._groups.items()):
+                if len(g) >= self.min_group:
+                    point = (statistics.median(t for t, _ in g), statistics.median(s for _, s in g))
+                    points[decode].append((size, point))
+            self._points = points
+        return self._points
+
+    def _priced(self, decode: bool) -> tuple[list[int], list[Point]]:
+        """The sizes and points a step of this kind is priced from (cached until a sample
+        arrives: ``time`` runs once per candidate total each step)."""
+        if self._cache is None:
+            self._cache = {}
+        cached = self._cache.get(decode)
+        if cached is None:
+            kinds = self._kind_points()
+            mine = kinds[decode] or kinds[not decode]
+            cached = self._cache[decode] = ([size for size, _ in mine], [p for _, p in mine])
+        return cached
+
+    def points(self, decode: bool) -> list[Point]:
+        """The measured points of a kind, by size (the other kind's when it has none)."""
+        kinds = self._kind_points()
+        mine = kinds[decode] or kinds[not decode]
+        return [p for _, p in mine]
 
     @property
     def ready(self) -> bool:
-        return self.fit() is not None
+        kinds = self._kind_points()
+        return len(kinds[False]) + len(kinds[True]) >= 2
+
+    def measured(self, tokens: int, decode: bool = False) -> bool:
+        """Whether the group of a step of ``tokens`` tokens of this kind has samples (of
+        the other kind while this one has none, as ``time`` prices it)."""
+        if not self._kind_points()[decode]:
+            decode = not decode  # priced from the other kind's points: measured as those
+        g = self._groups.get((decode, graph_size(tokens)))
+        return g is not None and len(g) >= self.min_group
+
+    def frontier(self, tokens: int, decode: bool = False) -> int:
+        """The most tokens of a step that stays within the first unmeasured group above
+        ``tokens`` (its graph size; its own if unmeasured)."""
+        size = graph_size(tokens)
+        while self.measured(size, decode):
+            size = graph_size(size + 1)
+        return size
 
     def fit(self) -> tuple[float, float] | None:
-        """(baseline, slope) in seconds and seconds per token; None until two groups
-        have ``min_group`` samples each."""
-        if not self._stale:
-            return self._fit
-        groups: dict[int, list[tuple[int, float]]] = {}
-        for tokens, seconds in self._samples:
-            groups.setdefault(graph_size(tokens), []).append((tokens, seconds))
-        points = sorted(
-            (statistics.median(t for t, _ in g), statistics.median(s for _, s in g))
-            for g in groups.values()
-            if len(g) >= self.min_group
-        )
-        self._points = points
-        self._fit = None
-        if len(points) >= 2:
-            slopes = [
-                (s2 - s1) / (t2 - t1)
-                for i, (t1, s1) in enumerate(points)
-                for t2, s2 in points[i + 1 :]
-                if t2 > t1
-            ]
-            if slopes:
-                slope = max(statistics.median(slopes), 0.0)
-                baseline = max(statistics.median(s - slope * t for t, s in points), 0.0)
-                self._fit = (baseline, slope)
-        self._stale = False
-        return self._fit
+        """(baseline, slope) in seconds and seconds per token of one line through every
+        point (Theil-Sen); None until the estimator is ready."""
+        if not self.ready:
+            return None
+        kinds = self._kind_points()
+        points = sorted(p for _, p in kinds[False] + kinds[True])
+        slopes = [
+            (s2 - s1) / (t2 - t1)
+            for i, (t1, s1) in enumerate(points)
+            for t2, s2 in points[i + 1 :]
+            if t2 > t1
+        ]
+        if not slopes:
+            return None
+        slope = max(statistics.median(slopes), 0.0)
+        return max(statistics.median(s - slope * t for t, s in points), 0.0), slope
 
-    def time(self, tokens: int) -> float:
-        """Seconds for a forward of ``tokens`` tokens, from the two nearest points."""
-        if self.fit() is None:
+    def time(self, tokens: int, decode: bool = False, optimistic: bool = False) -> float:
+        """Seconds for a forward of ``tokens`` tokens of this kind (module docstring)."""
+        if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
-        points = self._points
-        i = bisect.bisect_left([t for t, _ in points], tokens, 1, len(points) - 1)
-        (t1, s1), (t2, s2) = points[i - 1], points[i]
-        slope = max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1 else 0.0
-        return max(s1 + slope * (tokens - t1), 0.0)
+        sizes, points = self._priced(decode)
+        if optimistic:
+            return _local_line(points, tokens)
+        size = graph_size(tokens)
+        i = bisect.bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] == size:  # measured: flat, then up to the next point
+            t, s = points[i]
+            if tokens <= t:
+                return s
+            if i + 1 < len(points):
+                (ta, sa), (tb, sb) = points[i], points[i + 1]
+            elif i > 0:
+                (ta, sa), (tb, sb) = points[i - 1], points[i]
+            else:
+                return s
+            slope = max((sb - sa) / (tb - ta), 0.0) if tb > ta else 0.0
+            return s + slope * (tokens - t)
+        if i < len(points):  # between measured sizes: the next larger one's cost
+            return points[i][1]
+        t, s = points[-1]  # past every measured size: no headroom assumed
+        return max(s * tokens / t if t > 0 else s, _local_line(points, tokens))
+
+    def times(
+        self, start: int, count: int, decode: bool = False, optimistic: bool = False
+    ) -> list[float]:
+        """``time(start + n)`` for n = 0..count in one pass (the policy prices every
+        total of a step: at 256 requests of 5 drafts, 1281 of them)."""
+        if not self.ready:
+            raise RuntimeError("the forward time estimator has too few samples")
+        sizes, points = self._priced(decode)
+        out: list[float] = []
+        if optimistic:
+            if len(points) == 1:
+                return [points[0][1]] * (count + 1)
+            ts = [t for t, _ in points]
+            segments: dict[int, tuple[float, float, float]] = {}
+            for tokens in range(start, start + count + 1):
+                i = bisect.bisect_left(ts, tokens, 1, len(points) - 1)
+                seg = segments.get(i)
+                if seg is None:
+                    (t1, s1), (t2, s2) = points[i - 1], points[i]
+                    seg = segments[i] = (t1, s1, max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1
+                                         else 0.0)  # fmt: skip
+                value = seg[1] + seg[2] * (tokens - seg[0])
+                out.append(value if value > 0.0 else 0.0)
+            return out
+        tokens, end = start, start + count
+        while tokens <= end:  # one graph size at a time: one piece each
+            size = graph_size(tokens)
+            t, s, slope, per_token = _piece(size, sizes, points)
+            for n in range(tokens, min(size, end) + 1):
+                value = s + slope * (n - t) if n > t else s
+                out.append(value if per_token * n <= value else per_token * n)
+            tokens = size + 1
+        return out
+
+
+def _piece(size: int, sizes: list[int], points: list[Point]) -> tuple[float, float, float, float]:
+    """``ForwardTimeEstimator.time`` inside one graph size, as ``(t, s, slope, per_token)``:
+    ``max(s + slope * max(tokens - t, 0), per_token * tokens)``."""
+    i = bisect.bisect_left(sizes, size)
+    if i < len(sizes) and sizes[i] == size:
+        t, s = points[i]
+        if i + 1 < len(points):
+            (ta, sa), (tb, sb) = points[i], points[i + 1]
+        elif i > 0:
+            (ta, sa), (tb, sb) = points[i - 1], points[i]
+        else:
+            return t, s, 0.0, 0.0
+        return t, s, max((sb - sa) / (tb - ta), 0.0) if tb > ta else 0.0, 0.0
+    if i < len(points):
+        return float("inf"), points[i][1], 0.0, 0.0
+    t, s = points[-1]
+    per_token = s / t if t > 0 else 0.0
+    if len(points) == 1:
+        return t, s, 0.0, per_token
+    (t1, s1), (t2, s2) = points[-2], points[-1]
+    return t1, s1, max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1 else 0.0, per_token
+
+
+def _local_line(points: list[Point], tokens: int) -> float:
+    """The line through the two points on either side of ``tokens`` (past the last,
+    the last two; slopes never below 0)."""
+    if len(points) == 1:
+        return points[0][1]
+    i = bisect.bisect_left([t for t, _ in points], tokens, 1, len(points) - 1)
+    (t1, s1), (t2, s2) = points[i - 1], points[i]
+    slope = max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1 else 0.0
+    return max(s1 + slope * (tokens - t1), 0.0)
 
 
 class StepCostModel:
@@ -122,8 +264,11 @@ class StepCostModel:
         self.sampler = MedianEstimator()
         self.drafter = MedianEstimator()
 
-    def add(self, tokens: int, forward_s: float, sample_s: float, draft_s: float) -> None:
-        self.forward.add(tokens, forward_s)
+    def add(
+        self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
+        decode: bool = False,
+    ) -> None:  # fmt: skip
+        self.forward.add(tokens, forward_s, decode)
         self.sampler.add(sample_s)
         self.drafter.add(draft_s)
 
@@ -131,5 +276,6 @@ class StepCostModel:
     def ready(self) -> bool:
         return self.forward.ready and self.sampler.ready
 
-    def time(self, tokens: int) -> float:
-        return self.forward.time(tokens) + self.sampler.value() + self.drafter.value()
+    def time(self, tokens: int, decode: bool = False, optimistic: bool = False) -> float:
+        return (self.forward.time(tokens, decode, optimistic) + self.sampler.value()
+                + self.drafter.value())  # fmt: skip

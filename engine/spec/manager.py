@@ -27,11 +27,28 @@ had at the previous plan and ranks requests by the latest ones — the source re
 (budget from step N-2's statistics, per-request lengths from N-1's), so that a later
 confidence never decides whether an earlier draft is verified. Without overlap both are
 the latest.
+
+Rest. A step that verifies no draft (the dynamic policy's choice, or the guard's veto)
+lets the drafter rest for ``QUIET_STEPS`` (32) steps of the same regime (batch graph size,
+prefill or not; a step of another regime ends it): the plans say so (``proposes``,
+``StepPlan.propose``), the runner asks the drafter for no proposals after them, so those
+steps cost what a step without speculation costs — no drafts proposed, none looked up,
+no policy pricing 256 requests' curves. Then it proposes again and the policy is asked
+again (under overlap the plan after waits one step more for those proposals, instead of
+proposing a second time); the guard ends a rest early when its probe of the policy's
+drafts is due.
+
+The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard``) may
+veto its drafts for a step: it compares the measured tokens per second of steps that
+verified drafts and of steps that did not, per batch size, and probes the mode it does
+not favour at a small bounded rate. ``observe`` feeds it each step's wall time (the
+interval between two outcomes, ``clock``) and the tokens the step yielded.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.config import SpeculativeConfig
@@ -39,7 +56,10 @@ from engine.plan import StepPlan, StepResult
 from engine.request import Request
 from engine.spec.base import Proposal
 from engine.spec.cost import MedianEstimator
+from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
+
+QUIET_STEPS = 32  # steps of a regime the drafter rests after a step that verified none
 
 
 @dataclass(frozen=True)
@@ -64,14 +84,22 @@ class SpecCounters:
     error_milli: int = 0  # sum of |expected - kept| per group
     time_us: int = 0  # measured step time of the steps the cost model predicted
     time_error_us: int = 0  # sum of |predicted - measured|
+    budget: int = 0  # drafts the policy chose, summed over the steps it was asked
+    asked: int = 0  # steps the policy was asked (candidates there)
+    guard_blocked: int = 0  # steps the guard ran without drafts, not probing
+    guard_probes: int = 0  # probe steps (either mode)
+    explored: int = 0  # steps the policy verified a total of a size never measured
 
 
 class SpecDecoding:
     """Drafts and verify lengths for the scheduler (module docstring)."""
 
     def __init__(
-        self, config: SpeculativeConfig, kv_lookahead: int = 0, lagged: bool = False
-    ) -> None:
+        self, config: SpeculativeConfig, kv_lookahead: int = 0, lagged: bool = False,
+        guard: bool | None = None, clock: Callable[[], float] = time.perf_counter,
+    ) -> None:  # fmt: skip
+        """``guard``: the realized-gain guard (default: with the dynamic policy);
+        ``clock``: the wall clock it measures steps with."""
         self.config = config
         self.max_draft = config.max_draft
         self.kv_lookahead = kv_lookahead  # KV slots a model drafter writes past a step's
@@ -81,6 +109,18 @@ class SpecDecoding:
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
         self._planned: dict[str, list[float]] = {}  # survival of the drafts being verified
         self.host = MedianEstimator()  # host seconds per step: plan, launch, fold back
+        if guard is None:
+            guard = config.schedule == "dynamic"
+        self.guard = RealizedGainGuard() if guard and self.enabled else None
+        self.clock = clock
+        self._last_outcome: float | None = None
+        self._quiet = 0  # steps left that the drafter rests (``proposes``)
+        # whether the latest step observed brought proposals: the next plan's drafts can
+        # only be those (older ones guess tokens that are known by now)
+        self.fresh = True
+        self._quiet_key: tuple[int, bool] | None = None
+        self._resumed = False  # the rest ended at the latest plan (lagged: one more waits)
+        self._holding = False  # the plan being made waits for the proposals of the last one
         k = self.max_draft
         self.counters = SpecCounters([0] * k, [0] * k, [0] * k)
 
@@ -102,11 +142,84 @@ class SpecDecoding:
         return None
 
     def lengths(
-        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int
+        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
+        decode: bool | None = None, limit: int | None = None,
     ) -> list[int]:
-        """Drafts each candidate verifies this step (the policy's choice)."""
+        """Drafts each candidate verifies this step (the policy's choice, unless the guard
+        vetoes it). ``decode``: every chunk of the step is one token (default: as many
+        tokens as sampling chunks); ``limit``: most drafts in all (the token budget left)."""
+        if decode is None:
+            decode = base_tokens == base_yield
+        key = RealizedGainGuard.regime(base_yield, not decode)
+        self._holding = False
         if not candidates:
+            self._quiet_step(key)
             return []
+        self._resumed = False
+        guard = self.guard
+        if guard is None or guard.favours(key):
+            # the policy first: a step it verifies no draft in is the guard's concern only
+            # as a sample (no probe is needed to run a step without drafts)
+            explored = self.counters.explored
+            lengths = self._ask(candidates, base_tokens, base_yield, decode, limit)
+            if guard is not None and any(lengths) and not self._allow(key):
+                self.counters.budget -= sum(lengths)  # a probe without drafts: not asked
+                self.counters.asked -= 1
+                self.counters.explored = explored
+                lengths = [0] * len(candidates)
+            elif not any(lengths):
+                self._go_quiet(key)
+            return lengths
+        if self._allow(key):  # a probe of the policy's drafts
+            return self._ask(candidates, base_tokens, base_yield, decode, limit)
+        for c in candidates:
+            self._last_curve[c.request.request_id] = c.curve
+        self._go_quiet(key)
+        return [0] * len(candidates)
+
+    def _allow(self, key: tuple[int, bool]) -> bool:
+        guard = self.guard
+        assert guard is not None
+        probes, blocked = guard.probes, guard.blocked
+        allowed = guard.allow(key)
+        self.counters.guard_probes += guard.probes - probes
+        self.counters.guard_blocked += guard.blocked - blocked
+        return allowed
+
+    def _go_quiet(self, key: tuple[int, bool]) -> None:
+        """This step verifies no draft, by the policy's choice or the guard's: the drafter
+        rests for ``QUIET_STEPS`` steps of the same regime (``proposes``)."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None and not cost.ready:
+            return  # seeding its cost model: every other step verifies all
+        self._quiet, self._quiet_key = QUIET_STEPS, key
+
+    def _quiet_step(self, key: tuple[int, bool]) -> None:
+        """A step planned without candidates: count down the drafter's rest."""
+        if self._quiet <= 0:
+            if self._resumed:  # lagged: the proposals after the step that ended the rest
+                self._resumed, self._holding = False, True  # come with the next plan
+            return
+        if key != self._quiet_key:
+            self._quiet = 0  # another batch, another answer: ask again
+            return
+        self._quiet -= 1
+        if self.guard is not None and self.guard.tick(key):
+            self._quiet = 0  # the guard's probe is due: it needs drafts
+        self._resumed = self._quiet == 0 and self.lagged
+
+    @property
+    def proposes(self) -> bool:
+        """Whether the drafter proposes after the step being planned: not while it rests
+        (the policy or the guard verified no draft in this regime lately; module
+        docstring)."""
+        return self._quiet <= 0 and not self._holding
+
+    def _ask(
+        self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
+        decode: bool, limit: int | None,
+    ) -> list[int]:  # fmt: skip
+        """The policy's lengths for the candidates."""
         curves = [c.curve for c in candidates]
         budget_curves = curves
         if self.lagged:
@@ -117,8 +230,13 @@ class SpecDecoding:
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
         exposed = self.host.value() if self.lagged else 0.0
-        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed)
-        return self.policy.lengths(step)
+        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit)
+        explored = getattr(self.policy, "explored", 0)
+        lengths = self.policy.lengths(step)
+        self.counters.explored += getattr(self.policy, "explored", 0) - explored
+        self.counters.asked += 1
+        self.counters.budget += sum(lengths)
+        return lengths
 
     def verifying(self, request_id: str, curve: list[float]) -> None:
         """The step being planned verifies drafts of ``request_id`` with these survivals."""
@@ -127,6 +245,7 @@ class SpecDecoding:
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Take in a step's outcome: next proposals, times, kept drafts."""
         counters = self.counters
+        self.fresh = bool(result.proposals)
         for rid, proposal in result.proposals.items():
             self._proposals[rid] = proposal
             for j in range(min(len(proposal.token_ids), self.max_draft)):
@@ -146,15 +265,29 @@ class SpecDecoding:
             counters.expected_milli += round(1000 * expected)
             counters.error_milli += round(1000 * abs(expected - kept))
         counters.steps += verified > 0
+        now = self.clock()
+        interval = None if self._last_outcome is None else now - self._last_outcome
+        self._last_outcome = now
         timing = result.timing
         if timing is not None and not plan.is_empty:
-            predicted = self.policy.predicted_time(plan.num_tokens)
+            decode = all(c.sample and c.num_tokens == c.num_draft + 1 for c in plan.chunks)
+            predicted = self.policy.predicted_time(plan.num_tokens, decode)
             measured = timing.forward_s + timing.sample_s + timing.draft_s
             if predicted is not None:
                 counters.time_us += round(1e6 * measured)
                 counters.time_error_us += round(1e6 * abs(predicted - measured))
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
-                                timing.draft_s)  # fmt: skip
+                                timing.draft_s, decode)  # fmt: skip
+            sampling = sum(c.sample for c in plan.chunks)
+            if (self.guard is not None and sampling and interval is not None
+                    and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)):  # fmt: skip
+                yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
+                key = self.guard.regime(sampling, not decode)
+                self.guard.record(key, verified > 0, yielded, interval)
+
+    def idle(self) -> None:
+        """Nothing is left to run: the wall time until the next outcome measures no step."""
+        self._last_outcome = None
 
     def host_time(self, seconds: float) -> None:
         """One engine step's host work (planning, launching, folding the tokens back):
@@ -180,4 +313,9 @@ class SpecDecoding:
             "spec_error_milli": c.error_milli,
             "spec_time_us": c.time_us,
             "spec_time_error_us": c.time_error_us,
+            "spec_budget_drafts": c.budget,
+            "spec_budget_steps": c.asked,
+            "spec_guard_blocked_steps": c.guard_blocked,
+            "spec_guard_probe_steps": c.guard_probes,
+            "spec_explored_steps": c.explored,
         }

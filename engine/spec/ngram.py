@@ -47,6 +47,7 @@ class _RequestIndex:
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    sees_every_step = False  # a request's index catches up with its tokens when it proposes
 
     def __init__(self, max_draft: int, ngram_min: int = 1, ngram_max: int = 4) -> None:
         super().__init__(max_draft)

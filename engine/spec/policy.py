@@ -15,12 +15,24 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   gain (``P`` of their next draft). For a cost that depends only on the step's token
   count this is the best allocation there is: for each total, the largest ``P`` values
   are the most expected tokens, and a request's curve never rises, so they form a prefix
-  of each request's drafts; every total is tried. Under overlap scheduling a step that
+  of each request's drafts; every total is tried, up to the token budget the step's
+  prefill chunks leave (``VerifyStep.limit``). Under overlap scheduling a step that
   verifies any draft also costs ``exposed_host_s``: the next step cannot be planned until
   its tokens are known, so the device waits for the host once (``SpecDecoding`` measures
   it). Until the cost model has samples of
   two step sizes it verifies every draft in one step and none in the next, so that it
   sees both sizes (prefill steps, whose tokens count, help too).
+
+  Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
+  drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
+  cheaply than measured (``engine.spec.cost``): a size never run costs what the next
+  larger measured one costs, or past every measured size as much per token as the
+  largest. So an unmeasured size is *explored*: when the optimistic price (the line
+  through the neighbouring sizes) says a total in the first unmeasured size above the
+  step's pays more than the measured choice, that total is verified once every
+  ``EXPLORE_EVERY`` steps until its size has samples; then its measured cost decides, and
+  the next size up may be explored. Sizes are explored one at a time, upwards, so an
+  exploration costs at most one graph size more than what is known.
 """
 
 from __future__ import annotations
@@ -41,6 +53,12 @@ class VerifyStep:
     base_tokens: int  # tokens the step runs without drafts (prefill chunks included)
     base_yield: int  # tokens it yields without drafts (one per sampling chunk)
     exposed_host_s: float = 0.0  # device idle time a step with drafts adds (overlap lost)
+    decode: bool | None = None  # every chunk one token (+ drafts); None: base_tokens == base_yield
+    limit: int | None = None  # most drafts in all: the token budget left after the chunks
+
+    @property
+    def decode_only(self) -> bool:
+        return self.base_tokens == self.base_yield if self.decode is None else self.decode
 
 
 class VerifyPolicy(ABC):
@@ -52,10 +70,14 @@ class VerifyPolicy(ABC):
     def lengths(self, step: VerifyStep) -> list[int]:
         """Drafts to verify per candidate: ``0 <= lengths[i] <= len(step.curves[i])``."""
 
-    def observe(self, tokens: int, forward_s: float, sample_s: float, draft_s: float) -> None:  # noqa: B027
-        """A step of ``tokens`` tokens ran in these times."""
+    def observe(  # noqa: B027
+        self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
+        decode: bool = False,
+    ) -> None:  # fmt: skip
+        """A step of ``tokens`` tokens (``decode``: every chunk one token plus drafts) ran
+        in these times."""
 
-    def predicted_time(self, tokens: int) -> float | None:
+    def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         """The step time the policy expects for ``tokens`` tokens (None: no model)."""
         return None
 
@@ -67,38 +89,66 @@ class FixedPolicy(VerifyPolicy):
         return [len(c) for c in step.curves]
 
 
+EXPLORE_EVERY = 8  # steps between two explorations of a step size never measured
+
+
 class DynamicPolicy(VerifyPolicy):
     name = "dynamic"
 
     def __init__(self, cost: StepCostModel | None = None) -> None:
         self.cost = cost or StepCostModel()
         self._explore = False
+        self._since_explore = EXPLORE_EVERY
+        self.explored = 0  # steps that verified a total in a size never measured
 
-    def observe(self, tokens: int, forward_s: float, sample_s: float, draft_s: float) -> None:
-        self.cost.add(tokens, forward_s, sample_s, draft_s)
+    def observe(
+        self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
+        decode: bool = False,
+    ) -> None:  # fmt: skip
+        self.cost.add(tokens, forward_s, sample_s, draft_s, decode)
 
-    def predicted_time(self, tokens: int) -> float | None:
-        return self.cost.time(tokens) if self.cost.ready else None
+    def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
+        return self.cost.time(tokens, decode) if self.cost.ready else None
 
     def lengths(self, step: VerifyStep) -> list[int]:
         if not self.cost.ready:
             self._explore = not self._explore
             return [0 if self._explore else len(c) for c in step.curves]
+        decode = step.decode_only
+        forward = self.cost.forward
+        fixed = self.cost.sampler.value() + self.cost.drafter.value()  # once: medians
+        drafts = sum(len(c) for c in step.budget_curves)
+        if step.limit is not None:
+            drafts = min(drafts, max(step.limit, 0))
 
-        def time(n: int) -> float:
-            return self.cost.time(step.base_tokens + n) + (step.exposed_host_s if n else 0.0)
+        def pricer(optimistic: bool) -> Callable[[int], float]:
+            table = forward.times(step.base_tokens, drafts, decode, optimistic)
+            return lambda n: table[n] + fixed + (step.exposed_host_s if n else 0.0)
 
-        total = best_total(step.budget_curves, step.base_yield, time)
+        total = best_total(step.budget_curves, step.base_yield, pricer(False), step.limit)
+        self._since_explore += 1
+        if self._since_explore >= EXPLORE_EVERY:
+            self._since_explore = 0
+            # one size past the measured ones at a time: the first unmeasured size's top
+            frontier = forward.frontier(step.base_tokens, decode) - step.base_tokens
+            cap = frontier if step.limit is None else min(step.limit, frontier)
+            hope = best_total(step.budget_curves, step.base_yield, pricer(True), cap)
+            if hope > total and not forward.measured(step.base_tokens + hope, decode):
+                total = hope
+                self.explored += 1
         return allocate(step.curves, total)
 
 
 def best_total(
-    curves: Sequence[Sequence[float]], base_yield: float, time: Callable[[int], float]
+    curves: Sequence[Sequence[float]], base_yield: float, time: Callable[[int], float],
+    limit: int | None = None,
 ) -> int:
     """How many drafts to verify in all: the count ``n`` whose step yields the most
     expected tokens per second, ``(base_yield + the n largest P) / time(n)``, trying every
-    ``n`` from 0 to all of them (the first best wins ties)."""
+    ``n`` from 0 to all of them, or to ``limit`` (the first best wins ties)."""
     values = sorted((p for curve in curves for p in curve), reverse=True)
+    if limit is not None:
+        values = values[: max(limit, 0)]
     expected = float(base_yield)
     best_n, best_rate = 0, expected / time(0)
     for n, p in enumerate(values, start=1):
@@ -113,13 +163,20 @@ def allocate(curves: Sequence[Sequence[float]], total: int) -> list[int]:
     """Give ``total`` draft slots to the drafts with the highest ``P``: the ``total``
     largest values over every curve (ties: the earlier request, the earlier draft), which
     take a prefix of each request's drafts since a curve never rises."""
-    slots = sorted(
-        ((p, r, i) for r, curve in enumerate(curves) for i, p in enumerate(curve)),
-        key=lambda s: (-s[0], s[1], s[2]),
-    )
-    lengths = [0] * len(curves)
-    for _, r, _ in slots[:total]:
-        lengths[r] += 1
+    if total <= 0:
+        return [0] * len(curves)
+    values = sorted((p for curve in curves for p in curve), reverse=True)
+    if total >= len(values):
+        return [len(curve) for curve in curves]
+    cut = values[total - 1]  # the smallest P given a slot
+    lengths = [sum(1 for p in curve if p > cut) for curve in curves]
+    left = total - sum(lengths)
+    for r, curve in enumerate(curves):  # the ties at the cut, in request order
+        if left <= 0:
+            break
+        take = min(left, sum(1 for p in curve if p == cut))
+        lengths[r] += take
+        left -= take
     return lengths
 
 

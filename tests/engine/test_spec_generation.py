@@ -180,3 +180,39 @@ def test_overlap_scheduling_with_drafts_gives_the_same_tokens(
         assert sum(stats.spec_draft_accepted) > 0
     llm.core.check_integrity()
     assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_usable
+
+
+def test_the_drafter_rests_while_the_dynamic_policy_verifies_nothing():
+    """Drafts of confidence 0 never pay: once its cost model has its samples the dynamic
+    policy verifies none, and the drafter is asked to propose after a few steps in
+    QUIET_STEPS only (proposals for every request every step cost a busy host its time)."""
+    from engine.messages import EngineRequest
+    from engine.spec import Drafter, Proposal, register_drafter
+
+    class Zero(Drafter):
+        sees_every_step = False
+        asked = 0
+
+        def propose(self, step):
+            Zero.asked += bool(step.requests)
+            return {r.request_id: Proposal(len(r.token_ids), [1] * r.num_draft,
+                                           [0.0] * r.num_draft) for r in step.requests}  # fmt: skip
+
+    register_drafter("zero", lambda config, target, device, dtype: Zero(config.max_draft))
+    llm = LLM(EngineConfig(
+        model="dummy:tiny", num_threads=1, overlap_scheduling=True,
+        speculative=SpeculativeConfig(method="zero", num_speculative_tokens=3),
+        cache=CacheConfig(block_size=16, num_blocks=200),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256),
+    ))  # fmt: skip
+    core = llm.core
+    for i in range(8):
+        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        core.add_request(EngineRequest(f"r{i}", [5 + i] * 8, params))
+    steps = 0
+    while core.has_work:
+        core.step()
+        steps += 1
+    assert steps > 100
+    assert Zero.asked < steps / 4
+    core.check_integrity()

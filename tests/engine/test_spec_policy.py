@@ -16,13 +16,13 @@ import pytest
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
-from engine.plan import StepResult
+from engine.plan import ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec.base import Proposal
 from engine.spec.cost import ForwardTimeEstimator, MedianEstimator, StepCostModel, graph_size
-from engine.spec.manager import SpecDecoding
+from engine.spec.manager import Candidate, SpecDecoding
 from engine.spec.policy import DynamicPolicy, FixedPolicy, VerifyStep, allocate, best_total
 
 
@@ -165,22 +165,54 @@ def test_forward_estimator_needs_two_graph_sizes():
     assert est.ready and graph_size(4) != graph_size(100)
 
 
-def test_forward_estimator_prices_a_step_from_the_sizes_next_to_it():
-    """Flat while the forward reads its weights, then 0.04 ms a token once compute-bound:
-    a step between two sizes seen is priced between them, one past the largest along the
-    last segment, where a single line through every size would be far too cheap."""
+def test_forward_estimator_never_prices_a_step_below_what_was_measured():
+    """Flat while the forward reads its weights, then 0.04 ms a token once compute-bound.
+    A measured size costs its bucket's median (a graph replays the whole bucket); a size
+    between two measured ones costs the larger one; past the largest, its time per token
+    (no headroom assumed) or the last segment's line, whichever is dearer; the optimistic
+    price is that line."""
     est = ForwardTimeEstimator(min_group=3)
 
     def forward(tokens: int) -> float:
         return 0.005 + 0.00004 * max(0, tokens - 128)
 
-    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) * 3:
+    for tokens in (1, 2, 4, 8, 16, 64, 128, 256, 512) * 3:
         est.add(tokens, forward(tokens))
-    for tokens in (3, 48, 200, 384, 512):
-        assert est.time(tokens) == pytest.approx(forward(tokens), rel=1e-9)
-    assert est.time(1536) == pytest.approx(forward(1536), rel=1e-9)
+    for tokens in (3, 48, 128, 256, 512):  # measured buckets: their median
+        assert est.time(tokens) == pytest.approx(forward(graph_size(tokens)), rel=1e-9)
+    assert est.time(20) == pytest.approx(forward(64))  # bucket 32 never ran: bucket 64's
+    assert est.time(1536) == pytest.approx(forward(1536))  # the last segment climbs faster
+    assert est.time(1536, optimistic=True) == pytest.approx(forward(1536), rel=1e-9)
+    for tokens in range(1, 2048, 7):  # never below the true cost of a monotone forward
+        assert est.time(tokens) >= forward(tokens) - 1e-12
+    assert est.measured(40) and not est.measured(20) and not est.measured(1536)
     baseline, slope = est.fit()
     assert baseline + slope * 1536 < 0.5 * forward(1536)
+
+
+def test_forward_estimator_keeps_decode_steps_apart_from_prefill_steps():
+    """A step of rows on the decode path past the captured graphs (eager) costs what such
+    steps cost, not what a prefill step of as many tokens does."""
+    est = ForwardTimeEstimator(min_group=2)
+    for _ in range(3):
+        est.add(128, 0.010, decode=True)  # a graph of 128 rows
+        est.add(512, 0.030)  # a prefill step of 512 tokens
+    assert est.time(400, decode=True) == pytest.approx(0.010 * 400 / 128)  # never measured
+    assert est.time(400) == pytest.approx(0.030)
+    for _ in range(3):
+        est.add(400, 0.080, decode=True)  # measured: an eager verify step
+    assert est.time(400, decode=True) == pytest.approx(0.080)
+    assert est.time(400) == pytest.approx(0.030)
+
+
+def test_forward_estimator_follows_a_regime_change_within_its_window():
+    est = ForwardTimeEstimator(group_window=8, min_group=2)
+    for _ in range(8):
+        est.add(1, 0.005)
+        est.add(64, 0.006)
+    for _ in range(5):
+        est.add(64, 0.020)  # the machine got slower at 64 (another tenant, a bigger KV)
+    assert est.time(64) == pytest.approx(0.020)
 
 
 def test_median_estimator_waits_for_samples_and_ignores_a_spike():
@@ -302,3 +334,237 @@ def test_drafts_respect_max_tokens():
     s.update(plan, StepResult({"a": 7}, proposals={"a": Proposal(4, [8, 9, 1, 2], [1.0] * 4)}))
     plan = s.schedule()
     assert plan.chunks[0].num_draft == 1  # one more token and this step's sampled one
+
+
+# -- closed loop: the policy and the guard against synthetic engines -------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def simulate(spec: SpecDecoding, forward, batch: int, confidences: list[float],
+             rates: list[float], steps: int, hidden_s: float = 0.0, seed: int = 0):  # fmt: skip
+    """Run ``steps`` decode steps of ``batch`` requests that always hold drafts of
+    ``confidences`` (their true per-position acceptance: ``rates``) against a step of
+    ``forward(rows)`` seconds (plus ``hidden_s`` of wall time the timings miss on a step
+    with drafts). Returns per step (drafts verified, tokens yielded, seconds)."""
+    clock = spec.clock
+    rng = random.Random(seed)
+    reqs = [request(f"r{i}") for i in range(batch)]
+    out = []
+    for _ in range(steps):
+        cands = [Candidate(r, [0] * len(confidences), survival(confidences)) for r in reqs]
+        lengths = spec.lengths(cands, batch, batch, decode=True, limit=10_000)
+        chunks, sampled, accepted = [], {}, {}
+        for r, k in zip(reqs, lengths):
+            chunks.append(ScheduledChunk(r.request_id, [0] * (1 + k), 0, [], True, k))
+            sampled[r.request_id] = 0
+            kept = 0
+            while kept < k and rng.random() < rates[kept]:
+                kept += 1
+            if k:
+                accepted[r.request_id] = [0] * kept
+        rows = batch + sum(lengths)
+        seconds = forward(rows)
+        clock.now += seconds + (hidden_s if sum(lengths) else 0.0)
+        spec.observe(StepPlan(chunks), StepResult(sampled, accepted=accepted,
+                                                  timing=StepTiming(seconds, 0.0, 0.0)))
+        out.append((sum(lengths), batch + sum(len(a) for a in accepted.values()),
+                    seconds + (hidden_s if sum(lengths) else 0.0)))  # fmt: skip
+    return out
+
+
+def dynamic_spec(guard: bool = True) -> SpecDecoding:
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=5, schedule="dynamic")
+    return SpecDecoding(config, guard=guard, clock=_Clock())
+
+
+RATES = [0.8, 0.7, 0.6, 0.5, 0.4]
+
+
+def jump_past(rows_graphed: int):
+    """A forward flat up to ``rows_graphed`` rows (CUDA graphs), eager and dear past it."""
+    return lambda rows: 0.010 if rows <= rows_graphed else 0.010 + 0.0002 * rows
+
+
+def rate_of(steps) -> float:
+    return sum(t for _, t, _ in steps) / sum(s for _, _, s in steps)
+
+
+def test_a_cost_jump_past_the_graphs_is_not_extrapolated_away():
+    """Seeded where every step fit a graph (small batches), the policy meets a batch whose
+    every draft takes it past the graphs: it must not price those steps by the flat line
+    of the sizes it saw. It converges to no drafts within 64 steps, and later steps with
+    drafts are only the guard's probes."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8, 16, 32, 64) * 3:  # seen: graphs up to 64 rows, all 10 ms
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)
+    steps = simulate(spec, jump_past(64), 64, RATES, RATES, 400)
+    late = steps[64:]
+    assert sum(1 for n, _, _ in late if n) <= len(late) * 2 / 32
+    plain = rate_of([s for s in late if not s[0]])
+    assert rate_of(late) >= 0.95 * plain
+
+
+def test_drafts_within_the_graphs_are_kept_where_they_pay():
+    """Same engine, half the batch: drafts up to the graph's rows pay, past it they do not;
+    the policy keeps speculating, within the graph."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8, 16, 32, 64) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)
+    steps = simulate(spec, jump_past(64), 32, RATES, RATES, 400)
+    late = steps[64:]
+    assert sum(1 for n, _, _ in late if n) >= 0.9 * len(late)
+    assert all(32 + n <= 64 for n, _, _ in late if n)  # never past the graph once measured
+    assert rate_of(late) > 1.5 * 32 / 0.010
+
+
+def test_guard_turns_speculation_off_where_it_loses_unseen():
+    """A drafter far more confident than right (0.95 claimed, 0.05 true): the cost model
+    cannot see it, the realized rate can. Within 64 steps only probes verify drafts."""
+    spec = dynamic_spec()
+    steps = simulate(spec, lambda rows: 0.010 + 0.00005 * rows, 8, [0.95] * 5, [0.05] * 5,
+                     600)  # fmt: skip
+    late = steps[64:]
+    assert sum(1 for n, _, _ in late if n) <= len(late) * 2 / 32
+    assert spec.counters.guard_blocked > 0
+    unguarded = simulate(dynamic_spec(guard=False), lambda rows: 0.010 + 0.00005 * rows, 8,
+                         [0.95] * 5, [0.05] * 5, 600)  # fmt: skip
+    assert rate_of(late) > 1.1 * rate_of(unguarded[64:])
+
+
+def test_guard_turns_speculation_off_when_a_cost_hides_from_the_timings():
+    """Each step with drafts also costs 40 ms of wall time the device timings miss (host
+    work, overlap lost): speculation that pays on paper loses; the guard sees it."""
+    spec = dynamic_spec()
+    steps = simulate(spec, lambda rows: 0.010 + 0.00002 * rows, 16, RATES, RATES, 600,
+                     hidden_s=0.040)  # fmt: skip
+    late = steps[64:]
+    assert sum(1 for n, _, _ in late if n) <= len(late) * 2 / 32
+    assert rate_of(late) >= 0.95 * 16 / (0.010 + 0.00002 * 16)
+
+
+def test_guard_keeps_speculation_that_pays_and_bounds_its_probes():
+    """Calibrated drafts on a flat forward (batch 1): speculation pays ~3x. The guard
+    leaves it on; its no-draft probes stay within their stated rates."""
+    from engine.spec.guard import PROBE_EVERY, PROBE_STEPS, WARM_PROBE_EVERY
+
+    spec = dynamic_spec()
+    n = 2000
+    steps = simulate(spec, lambda rows: 0.007 + 0.00001 * rows, 1, RATES, RATES, n)
+    plain = sum(1 for k, _, _ in steps if not k)
+    warm = 8 * WARM_PROBE_EVERY  # until both modes have their samples
+    assert plain <= warm * PROBE_STEPS / WARM_PROBE_EVERY + n * PROBE_STEPS / PROBE_EVERY + 4
+    assert spec.counters.guard_probes <= plain + 2
+    assert spec.counters.guard_blocked == 0
+    assert rate_of(steps) > 2.5 / 0.007
+
+
+def test_exploration_climbs_one_size_at_a_time_to_drafts_that_pay():
+    """Seeded with small steps only, a batch of 16 whose drafts are free up to 128 rows:
+    priced pessimistically at first, sizes above are explored one graph size at a time
+    (never a jump to one far past what is known) until every draft is verified."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8, 16) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)
+    steps = simulate(spec, jump_past(128), 16, RATES, RATES, 300)
+    measured = [16]
+    for n, _, _ in steps:
+        if n:
+            assert graph_size(16 + n) <= 2 * max(measured)  # one size past the known
+            measured.append(graph_size(16 + n))
+    assert spec.counters.explored <= 3 * 3  # sizes 32, 64, 128: a few samples each
+    assert [n for n, _, _ in steps[-50:]].count(80) >= 45
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_forward_times_in_one_pass_equal_time_of_each(seed):
+    rng = random.Random(seed)
+    est = ForwardTimeEstimator(min_group=2)
+    for _ in range(rng.randint(4, 60)):
+        rows = rng.choice([1, 3, 8, 20, 64, 100, 256, 300, 700, 2000])
+        est.add(rows, rng.uniform(0.005, 0.05), decode=rng.random() < 0.5)
+    if not est.ready:
+        return
+    for decode in (False, True):
+        for optimistic in (False, True):
+            start = rng.randint(1, 300)
+            table = est.times(start, 1500, decode, optimistic)
+            for n in range(0, 1501, 7):
+                expected = est.time(start + n, decode, optimistic)
+                assert table[n] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def _idle_spec(guard: bool = True) -> SpecDecoding:
+    """A dynamic policy whose cost model says no draft pays: a step costs ~its tokens."""
+    spec = dynamic_spec(guard)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256) * 3:
+        spec.policy.observe(rows, 0.001 * rows, 0.0, 0.0, decode=True)
+    return spec
+
+
+def test_the_drafter_rests_while_the_policy_verifies_nothing():
+    """A step the policy verifies no draft in lets the drafter rest QUIET_STEPS steps of its
+    regime (no candidates then); after that it proposes again and the policy is asked;
+    a step of another regime ends the rest at once."""
+    from engine.spec.manager import QUIET_STEPS
+
+    spec = _idle_spec()
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    assert spec.proposes
+    assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+    assert not spec.proposes
+    for _ in range(QUIET_STEPS - 1):
+        assert spec.lengths([], 64, 64, decode=True, limit=10_000) == []
+        assert not spec.proposes
+    spec.lengths([], 64, 64, decode=True, limit=10_000)
+    assert spec.proposes
+    spec.lengths(cands, 64, 64, decode=True, limit=10_000)
+    assert not spec.proposes
+    spec.lengths([], 8, 8, decode=True, limit=10_000)  # a batch of another graph size
+    assert spec.proposes
+    assert spec.counters.guard_probes == 0  # nothing to probe: no step verified drafts
+
+
+def test_no_draft_probes_only_on_steps_the_policy_verifies_drafts_in():
+    """The guard favours speculation and the policy verifies nothing: no probes (they were
+    a quarter of the steps while the drafts' mode had no samples)."""
+    spec = _idle_spec()
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    for _ in range(200):
+        spec.lengths(cands, 64, 64, decode=True, limit=10_000)
+    assert spec.counters.guard_probes == 0 and spec.counters.guard_blocked == 0
+
+
+def test_a_blocked_regime_still_probes_at_its_rate_while_the_drafter_rests():
+    """Speculation measured slower: the guard blocks and the drafter rests; the steps it
+    rests in count towards the guard's probe, which ends the rest when due, so the probes
+    keep their stated rate per step of the regime."""
+    from engine.spec.guard import PROBE_EVERY
+
+    spec = dynamic_spec()
+    key = spec.guard.regime(16, False)
+    for speculated, seconds in ((True, 0.02), (False, 0.01)):  # drafts at half the rate
+        for _ in range(9):  # the first after a switch is no sample
+            spec.guard.record(key, speculated, 16, seconds)
+    assert not spec.guard.favours(key)
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)  # drafts look free
+    reqs = [request(f"r{i}") for i in range(16)]
+    cands = [Candidate(r, [0] * 5, survival([0.9] * 5)) for r in reqs]
+    verified = proposing = 0
+    n = 8 * PROBE_EVERY
+    for _ in range(n):
+        proposing += spec.proposes
+        lengths = spec.lengths(cands if spec.proposes else [], 16, 16, decode=True,
+                               limit=10_000)  # fmt: skip
+        verified += bool(sum(lengths))
+    assert 0 < verified <= 2 * n // PROBE_EVERY + 2
+    assert proposing <= n // 8
