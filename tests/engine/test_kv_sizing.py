@@ -52,7 +52,7 @@ def test_serve_defaults_on_the_cpu_bound_the_context_and_share_an_asked_for_host
 
 def test_explicit_sizes_win(parser):
     args = parser.parse_args(["serve", "--max-model-len", "512", "--host-kv-cache-gb", "0.5",
-                              "--kv-cache-memory-gb", "0.25", "--kv-tiers", "host,file"])  # fmt: skip
+                              "--kv-cache-memory-gb", "0.25"])  # fmt: skip
     config = serve.engine_config(args)
     assert config.scheduler.max_model_len == 512
     assert (config.cache.host_memory_gb, config.cache.memory_gb) == (0.5, 0.25)
