@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import hashlib
 import re
 import threading
@@ -35,12 +36,12 @@ from urllib.parse import urlsplit
 
 from engine.vision import (
     FORMATS,
-    Grid,
     ImageError,
     ImageInput,
     ImageProcessor,
     check_pixels,
     decode_image,
+    measure_image,
 )
 
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
@@ -92,10 +93,7 @@ class ImageRef:
 
 @dataclass(frozen=True)
 class _Seen:
-    content_hash: bytes
-    grid: Grid
-    num_tokens: int
-    format: str
+    measured: ImageInput  # without the file (``data`` empty): the caller's bytes go back
     width: int
     height: int
 
@@ -128,9 +126,8 @@ class SeenImages:
                 self.hits += 1
         if seen is None:
             image = decode_image(data, max_pixels)
-            grid = processor.grid(image.width, image.height)
-            seen = _Seen(processor.content_hash(image), grid, processor.num_tokens(grid),
-                         image.format, image.width, image.height)  # fmt: skip
+            measured = dataclasses.replace(measure_image(processor, data, image), data=b"")
+            seen = _Seen(measured, image.width, image.height)
             with self._lock:
                 self.decodes += 1
                 if self.max_entries:
@@ -139,7 +136,7 @@ class SeenImages:
                         self._entries.popitem(last=False)
         else:
             check_pixels(seen.width, seen.height, max_pixels)  # this call's limit
-        return ImageInput(data, seen.content_hash, seen.grid, seen.num_tokens, seen.format)
+        return dataclasses.replace(seen.measured, data=data)
 
 
 async def load_images(

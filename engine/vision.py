@@ -213,7 +213,11 @@ class ImageInput:
 
 def prepare_image(processor: ImageProcessor, data: bytes, max_pixels: int) -> ImageInput:
     """Decode and check ``data`` (``decode_image``), hash and measure it for ``processor``."""
-    image = decode_image(data, max_pixels)
+    return measure_image(processor, data, decode_image(data, max_pixels))
+
+
+def measure_image(processor: ImageProcessor, data: bytes, image: DecodedImage) -> ImageInput:
+    """``image`` (decoded from the file ``data``) hashed and measured for ``processor``."""
     grid = processor.grid(image.width, image.height)
     return ImageInput(data, processor.content_hash(image), grid, processor.num_tokens(grid),
                       image.format)  # fmt: skip
