@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The GPU engine's checks and benchmark in one command on the H200 (bench/README.md, GPU).
 #
-#   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_moe] [ds_step]
-#                       [ds_serve] [pd_ipc] [served]
+#   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
+#                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
 # runs what is asked: the CUDA tests of the engine, the full benchmark with transformers
 # (JSON to $OUT/gpu_engine.json), ferry serve --device cuda end to end, or a quick
 # benchmark of two decode points; for DeepSeek-V3-class models: the MLA and MoE kernels'
-# CUDA tests with the engine's MoE/MLA CUDA tests, their benchmark (bench/mla_moe_speed.py),
-# the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
+# CUDA tests with the engine's MoE/MLA CUDA tests (mla_tests: the MLA kernel's alone), their
+# benchmark (bench/mla_moe_speed.py; MLA_MOE_SECTIONS picks sections), a MoE prefill stage
+# by stage (bench/moe_prefill_parts.py), the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
 # two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
 # at the 8B shape (bench/pd_serving.py; lengths in words: 128 words is ~700 tokens of the dummy
 # models' byte tokenizer, 390 words ~2k); the served path at load: TPOT p50 of ferry serve
@@ -52,8 +53,15 @@ for step in "$@"; do
         tests/kernels/test_mla_moe_references.py tests/engine/test_cuda_mla_moe_kernels.py \
         "tests/engine/test_cuda_graphs.py::test_cuda_graph_decode_of_moe_models_matches_eager" \
         tests/kvstore/test_transport_cuda_ipc.py 2>&1 | tee -a "$OUT/steps.log" | tail -25 || status=1 ;;
+    mla_tests)
+      $LIMIT python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
+        -k mla 2>&1 | tee -a "$OUT/steps.log" | tail -15 || status=1 ;;
+    moe_parts)
+      $LIMIT python3 -m bench.moe_prefill_parts --commit "$COMMIT" --out "$OUT" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -24 || status=1 ;;
     mla_moe)
       $LIMIT python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
+        --sections "${MLA_MOE_SECTIONS:-mla,moe,router}" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -40 || status=1 ;;
     ds_step)
       $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \

@@ -76,6 +76,10 @@ def mla_bytes(batch: int, ctx: int) -> int:
     return 2 * (batch * ctx * WIDTH + batch * HEADS * (WIDTH + RANK))
 
 
+def mla_flops(batch: int, ctx: int) -> int:
+    return 2 * batch * HEADS * ctx * (WIDTH + RANK)  # scores over R + P, output over R
+
+
 def _run_mla(x: dict, ctx: int, splits: int | None = None) -> torch.Tensor:
     return mla.mla_decode(
         x["q"], x["cache"], x["tables"], x["lens"], kv_lora_rank=RANK, scale=SCALE,
@@ -151,6 +155,8 @@ def bench_mla() -> list[dict]:
         for name, splits in runs.items():
             err = rel_err(_run_mla(x, ctx, splits)[:n], ref)
             timed = _timed([partial(_run_mla, x, ctx, splits) for x in inputs], nbytes, "GBps")
+            if "ms" in timed:
+                timed["TFLOPs"] = mla_flops(batch, ctx) / timed["ms"] / 1e9
             row["variants"][name] = {"rel_err": err, **timed}
         try:
             calls = _torch_mla_calls(inputs, ctx)
@@ -256,7 +262,7 @@ def table(result: dict) -> str:
     bw, peak = ceil["copy_GBps"], ceil["matmul_TFLOPs"]
     lines = [f"ceilings: copy {bw:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s"]
     lines.append("mla decode H128 576/512 bs128   B    ctx  splits     us    GB/s  %copy  err"
-                 "      best         us  torch-dense-us  x")  # fmt: skip
+                 "      best         us  torch-dense-us  x    TFLOP/s")  # fmt: skip
     for r in result.get("mla", []):
         v = r["variants"]["auto"]
         ok = {k: x for k, x in r["variants"].items() if "GBps" in x and x["rel_err"] <= 1e-2}
@@ -268,7 +274,8 @@ def table(result: dict) -> str:
             f"{v.get('ms', math.nan) * 1e3:6.1f} {_cell(v, 'GBps')} "
             f"{100 * v.get('GBps', math.nan) / bw:5.1f}%  {v.get('rel_err', math.nan):.1e}  "
             f"{best:<10} {r['variants'][best].get('ms', math.nan) * 1e3:6.1f} "
-            f"{td.get('ms', math.nan) * 1e3:15.1f} {ratio}"
+            f"{td.get('ms', math.nan) * 1e3:15.1f} {ratio} "
+            f"{v.get('TFLOPs', math.nan):8.0f}"
         )
     moe_rows = result.get("moe", {})
     names = ["kernel", "engine", "torch_grouped_mm", "torch_sorted_loop", "torch_every_expert"]

@@ -12,12 +12,20 @@ tokens ``j*block_size : (j+1)*block_size`` of sequence b; it attends over its fi
 
 The kernel follows FlashMLA's shape: one CTA per (group of ``block_h`` = 64 heads, split,
 sequence) stacks its heads as the rows of one tile, so each latent byte is read once for
-64 heads, and walks its split's tiles of ``block_n`` tokens with an online softmax: two
-products for the scores (``q_c c^T`` over R, ``q_pe k_pe^T`` over P) and one for the
-output (``p c``), the accumulator ``[64, R]`` split by columns between two warpgroups.
-Head groups of one sequence are launched next to each other, so the second reads the
-latents from L2. A split writes a float32 partial output and its log-sum-exp (base 2);
-the combine kernel merges them. Splits that own no tokens weigh nothing; a sequence of
+64 heads, and walks its split's tiles of ``block_n`` tokens with an online softmax: three
+products for the scores (``q_c c^T`` over the two halves of R, ``q_pe k_pe^T`` over P) and
+one for the output (``p c``), the accumulator ``[64, R]`` split by columns between two
+warpgroups. At 128 heads the kernel does ~240 FLOP per latent byte, past the H200's ridge:
+it is bound by the matrix units, so it is warp-specialised to keep them busy. A producer
+warpgroup copies each tile of latents (``cp.async``) into one of two buffers; the first
+consumer warpgroup computes the whole score tile, the softmax and the left half of the
+output; the second the right half, from the probabilities and rescale factors the first
+leaves in shared memory. The second's product of tile j runs while the first computes
+tile j+1's scores, so the matrix units are not idle through the softmax (1.33-1.37x the
+two warpgroups in lockstep at batch 64, kernels/NOTES.md run 7). Head groups of one
+sequence are launched next to each other, so the second reads the latents from L2.
+A split writes a float32 partial output and its log-sum-exp (base 2); the combine kernel
+merges them. Splits that own no tokens weigh nothing; a sequence of
 length 0 gets zeros. With one split (batches that fill the GPU) the split kernel writes the
 output itself. Partial buffers come from torch's allocator per call and the grid is sized
 from host-side ints: no host-device synchronisation, so a CUDA graph can capture it.
@@ -46,8 +54,6 @@ class MLADecodeConfig:
     dtype: str
     scale: float
     block_n: int = 64
-    num_stages: int = 2
-    threads: int = 256
     combine: bool = True  # False: one split, the split kernel writes the output itself
 
     def __post_init__(self) -> None:
@@ -87,26 +93,15 @@ def build_mla_decode_kernel(cfg: MLADecodeConfig):
         cfg.dtype,
         cfg.scale,
         cfg.block_n,
-        cfg.num_stages,
-        cfg.threads,
         cfg.combine,
     )
 
 
-def _mla_decode_program(
-    heads, rank, rope, block_size, dtype, scale, block_n, num_stages, threads, combine
-):
-    """The TileLang program: split kernel, then (when ``combine``) the combine kernel."""
+def _combine_macro(heads, rank, batch, num_split):
+    """The combine kernel: merges the splits' partial outputs by their log-sum-exps."""
     import tilelang.language as T
 
     accum = "float32"
-    width = rank + rope
-    groups = -(-heads // BLOCK_H)
-    log2_scale = scale * LOG2E
-    batch = T.dynamic("batch")
-    num_blocks = T.dynamic("num_blocks")
-    max_blocks = T.dynamic("max_blocks")
-    num_split = T.dynamic("num_split")
 
     @T.macro
     def combine_splits(lse_part, out_part, Out):
@@ -130,6 +125,84 @@ def _mla_decode_program(
             for d in T.Parallel(rank):
                 Out[b, h, d] = T.if_then_else(total > 0, o[d] / total, 0)
 
+    return combine_splits
+
+
+def _mla_decode_program(heads, rank, rope, block_size, dtype, scale, block_n, combine):
+    """The TileLang program: the warp-specialised split kernel (module docstring), then
+    (when ``combine``) the combine kernel."""
+    import tilelang.language as T
+
+    accum = "float32"
+    width = rank + rope
+    half = rank // 2
+    groups = -(-heads // BLOCK_H)
+    log2_scale = scale * LOG2E
+    batch = T.dynamic("batch")
+    num_blocks = T.dynamic("num_blocks")
+    max_blocks = T.dynamic("max_blocks")
+    num_split = T.dynamic("num_split")
+    merge = _combine_macro(heads, rank, batch, num_split) if combine else None
+
+    @T.macro
+    def scores(j, kv_l, kv_r, pe, ready, q_l, q_r, q_pe, acc_s, acc_l, m, m_prev, alpha,
+               row_sum, denom, alpha_s, p_s, p_free, p_ready, t0, seq_len):  # fmt: skip
+        """First consumer: tile j's scores, softmax and its half of the output."""
+        T.barrier_wait(ready[0], (j >> 1) & 1)
+        T.clear(acc_s)
+        T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+        T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+        T.wgmma_gemm(q_pe, pe, acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+        tok0 = (t0 + j) * block_n
+        if tok0 + block_n > seq_len:
+            for i, c in T.Parallel(BLOCK_H, block_n):
+                acc_s[i, c] = T.if_then_else(tok0 + c < seq_len, acc_s[i, c], -T.infinity(accum))
+        if j > 0:  # the second consumer is done with tile j-1's probabilities
+            T.barrier_arrive(p_free)
+            T.barrier_wait(p_free, (j - 1) & 1)
+        T.copy(m, m_prev)
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        for i in T.Parallel(BLOCK_H):
+            m[i] = T.max(m[i], m_prev[i])
+        for i in T.Parallel(BLOCK_H):
+            alpha[i] = T.exp2((m_prev[i] - m[i]) * log2_scale)
+        for i, c in T.Parallel(BLOCK_H, block_n):
+            acc_s[i, c] = T.exp2(acc_s[i, c] * log2_scale - m[i] * log2_scale)
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        for i in T.Parallel(BLOCK_H):
+            denom[i] = denom[i] * alpha[i] + row_sum[i]
+        for i, d in T.Parallel(BLOCK_H, half):
+            acc_l[i, d] *= alpha[i]
+        T.copy(alpha, alpha_s)
+        T.copy(acc_s, p_s)
+        T.gemm(p_s, kv_l, acc_l)
+        T.barrier_arrive(p_ready)
+
+    @T.macro
+    def values(j, kv_r, free, acc_r, alpha_s, p_s, p_ready, p_free, n):
+        """Second consumer: its half of tile j's output."""
+        T.barrier_arrive(p_ready)
+        T.barrier_wait(p_ready, j & 1)
+        for i, d in T.Parallel(BLOCK_H, half):
+            acc_r[i, d] *= alpha_s[i]
+        T.gemm(p_s, kv_r, acc_r)
+        T.barrier_arrive(free[0])
+        if j + 1 < n:
+            T.barrier_arrive(p_free)
+
+    @T.macro
+    def load(j, kv_l, kv_r, pe, ready, free, KV, block_table, b, t0):
+        """Producer: tile j of the split's latents into one buffer."""
+        T.barrier_wait(free[0], ((j >> 1) & 1) ^ 1)
+        tok0 = (t0 + j) * block_n
+        blk = block_table[b, tok0 // block_size]
+        off = tok0 % block_size
+        T.async_copy(KV[blk, off : off + block_n, 0:half], kv_l)
+        T.async_copy(KV[blk, off : off + block_n, half:rank], kv_r)
+        T.async_copy(KV[blk, off : off + block_n, rank:width], pe)
+        T.cp_async_barrier_noinc(ready[0])
+
     @T.prim_func
     def main(
         Q: T.Tensor([batch, heads, width], dtype),
@@ -140,84 +213,118 @@ def _mla_decode_program(
         out_part: T.Tensor([batch, heads, num_split, rank], accum),
         Out: T.Tensor([batch, heads, rank], dtype),
     ):
-        with T.Kernel(groups, num_split, batch, threads=threads) as (hg, sid, b):
-            q_s = T.alloc_shared([BLOCK_H, rank], dtype)
-            q_pe_s = T.alloc_shared([BLOCK_H, rope], dtype)
-            kv_s = T.alloc_shared([block_n, rank], dtype)
-            k_pe_s = T.alloc_shared([block_n, rope], dtype)
+        with T.Kernel(groups, num_split, batch, threads=384) as (hg, sid, b):
+            q_l = T.alloc_shared([BLOCK_H, half], dtype)
+            q_r = T.alloc_shared([BLOCK_H, half], dtype)
+            q_pe = T.alloc_shared([BLOCK_H, rope], dtype)
+            kv0_l = T.alloc_shared([block_n, half], dtype)
+            kv0_r = T.alloc_shared([block_n, half], dtype)
+            kv1_l = T.alloc_shared([block_n, half], dtype)
+            kv1_r = T.alloc_shared([block_n, half], dtype)
+            pe0 = T.alloc_shared([block_n, rope], dtype)
+            pe1 = T.alloc_shared([block_n, rope], dtype)
             p_s = T.alloc_shared([BLOCK_H, block_n], dtype)
+            alpha_s = T.alloc_shared([BLOCK_H], accum)
+            denom_s = T.alloc_shared([BLOCK_H], accum)
+
             acc_s = T.alloc_fragment([BLOCK_H, block_n], accum)
-            p_cast = T.alloc_fragment([BLOCK_H, block_n], dtype)
-            acc_o = T.alloc_fragment([BLOCK_H, rank], accum)
+            acc_l = T.alloc_fragment([BLOCK_H, half], accum)
+            acc_r = T.alloc_fragment([BLOCK_H, half], accum)
             m = T.alloc_fragment([BLOCK_H], accum)
             m_prev = T.alloc_fragment([BLOCK_H], accum)
-            rescale = T.alloc_fragment([BLOCK_H], accum)
+            alpha = T.alloc_fragment([BLOCK_H], accum)
             row_sum = T.alloc_fragment([BLOCK_H], accum)
             denom = T.alloc_fragment([BLOCK_H], accum)
+            scale_r = T.alloc_fragment([BLOCK_H], accum)
 
+            bar_q = T.alloc_barrier(arrive_count=384)
+            ready0 = T.alloc_barrier(arrive_count=128)
+            ready1 = T.alloc_barrier(arrive_count=128)
+            free0 = T.alloc_barrier(arrive_count=256)
+            free1 = T.alloc_barrier(arrive_count=256)
+            p_ready = T.alloc_barrier(arrive_count=256)
+            p_free = T.alloc_barrier(arrive_count=256)
+            done = T.alloc_barrier(arrive_count=256)
+
+            tx = T.get_thread_binding()
             seq_len = seq_lens[b]
             num_tiles = T.ceildiv(seq_len, block_n)
             per_split = T.ceildiv(num_tiles, num_split)
             t0 = sid * per_split
             n = T.max(T.min(t0 + per_split, num_tiles) - t0, 0)
             h0 = hg * BLOCK_H
+            wg0 = (q_l, q_r, q_pe, acc_s, acc_l, m, m_prev, alpha, row_sum, denom, alpha_s, p_s,
+                   p_free, p_ready, t0, seq_len)  # fmt: skip
+            wg1 = (acc_r, alpha_s, p_s, p_ready, p_free, n)
+            src = (KV, block_table, b, t0)
 
-            for i, d in T.Parallel(BLOCK_H, rank):
-                q_s[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, d], 0)
+            for i, d in T.Parallel(BLOCK_H, half):
+                q_l[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, d], 0)
+                q_r[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, half + d], 0)
             for i, d in T.Parallel(BLOCK_H, rope):
-                q_pe_s[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, rank + d], 0)
-            T.fill(acc_o, 0)
-            T.fill(denom, 0)
-            T.fill(m, -T.infinity(accum))
+                q_pe[i, d] = T.if_then_else(h0 + i < heads, Q[b, h0 + i, rank + d], 0)
+            T.barrier_arrive(bar_q)
 
-            for k in T.Pipelined(n, num_stages=num_stages):
-                tok0 = (t0 + k) * block_n
-                blk = block_table[b, tok0 // block_size]
-                off = tok0 % block_size
-                T.copy(KV[blk, off : off + block_n, 0:rank], kv_s)
-                T.copy(KV[blk, off : off + block_n, rank:width], k_pe_s)
-                T.clear(acc_s)
-                T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                T.gemm(q_pe_s, k_pe_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                if tok0 + block_n > seq_len:
-                    for i, j in T.Parallel(BLOCK_H, block_n):
-                        acc_s[i, j] = T.if_then_else(
-                            tok0 + j < seq_len, acc_s[i, j], -T.infinity(accum)
-                        )
-                T.copy(m, m_prev)
-                T.reduce_max(acc_s, m, dim=1, clear=False)
+            if tx < 128:
+                T.set_max_nreg(240, 1)
+                T.fill(acc_l, 0)
+                T.fill(denom, 0)
+                T.fill(m, -(2**30))  # finite: a first tile's rescale is exp2(-huge), not NaN
+                T.barrier_wait(bar_q, 0)
+                for jj in T.serial(T.ceildiv(n, 2)):
+                    scores(2 * jj, kv0_l, kv0_r, pe0, ready0, *wg0)
+                    T.barrier_arrive(free0[0])
+                    if 2 * jj + 1 < n:
+                        scores(2 * jj + 1, kv1_l, kv1_r, pe1, ready1, *wg0)
+                        T.barrier_arrive(free1[0])
                 for i in T.Parallel(BLOCK_H):
-                    rescale[i] = T.exp2(m_prev[i] * log2_scale - m[i] * log2_scale)
-                for i, j in T.Parallel(BLOCK_H, block_n):
-                    acc_s[i, j] = T.exp2(acc_s[i, j] * log2_scale - m[i] * log2_scale)
-                T.reduce_sum(acc_s, row_sum, dim=1)
+                    denom_s[i] = denom[i]
+                T.barrier_arrive(done)
+                if combine:
+                    if n > 0:
+                        for i, d in T.Parallel(BLOCK_H, half):
+                            if h0 + i < heads:
+                                out_part[b, h0 + i, sid, d] = acc_l[i, d] / denom[i]
+                        for i in T.Parallel(BLOCK_H):
+                            if h0 + i < heads:
+                                lse_part[b, h0 + i, sid] = T.log2(denom[i]) + m[i] * log2_scale
+                    else:  # owns no tokens: weighs nothing, and its partial output is not read
+                        for i in T.Parallel(BLOCK_H):
+                            if h0 + i < heads:
+                                lse_part[b, h0 + i, sid] = -T.infinity(accum)
+                else:
+                    for i, d in T.Parallel(BLOCK_H, half):
+                        if h0 + i < heads:
+                            Out[b, h0 + i, d] = T.if_then_else(n > 0, acc_l[i, d] / denom[i], 0)
+            elif tx < 256:
+                T.set_max_nreg(168, 1)
+                T.fill(acc_r, 0)
+                for jj in T.serial(T.ceildiv(n, 2)):
+                    values(2 * jj, kv0_r, free0, *wg1)
+                    if 2 * jj + 1 < n:
+                        values(2 * jj + 1, kv1_r, free1, *wg1)
+                T.barrier_arrive(done)
+                T.barrier_wait(done, 0)
                 for i in T.Parallel(BLOCK_H):
-                    denom[i] = denom[i] * rescale[i] + row_sum[i]
-                T.copy(acc_s, p_s)
-                T.copy(p_s, p_cast)
-                for i, d in T.Parallel(BLOCK_H, rank):
-                    acc_o[i, d] *= rescale[i]
-                T.gemm(p_cast, kv_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
-
-            if combine:
-                if n > 0:
-                    for i, d in T.Parallel(BLOCK_H, rank):
+                    scale_r[i] = T.if_then_else(n > 0, 1 / denom_s[i], 0)
+                if combine:
+                    if n > 0:
+                        for i, d in T.Parallel(BLOCK_H, half):
+                            if h0 + i < heads:
+                                out_part[b, h0 + i, sid, half + d] = acc_r[i, d] * scale_r[i]
+                else:
+                    for i, d in T.Parallel(BLOCK_H, half):
                         if h0 + i < heads:
-                            out_part[b, h0 + i, sid, d] = acc_o[i, d] / denom[i]
-                    for i in T.Parallel(BLOCK_H):
-                        if h0 + i < heads:
-                            lse_part[b, h0 + i, sid] = T.log2(denom[i]) + m[i] * log2_scale
-                else:  # owns no tokens: weighs nothing, and its partial output is not read
-                    for i in T.Parallel(BLOCK_H):
-                        if h0 + i < heads:
-                            lse_part[b, h0 + i, sid] = -T.infinity(accum)
+                            Out[b, h0 + i, half + d] = acc_r[i, d] * scale_r[i]
             else:
-                for i, d in T.Parallel(BLOCK_H, rank):
-                    if h0 + i < heads:
-                        Out[b, h0 + i, d] = T.if_then_else(n > 0, acc_o[i, d] / denom[i], 0)
+                T.set_max_nreg(80, 0)
+                for jj in T.serial(T.ceildiv(n, 2)):
+                    load(2 * jj, kv0_l, kv0_r, pe0, ready0, free0, *src)
+                    if 2 * jj + 1 < n:
+                        load(2 * jj + 1, kv1_l, kv1_r, pe1, ready1, free1, *src)
 
         if combine:
-            combine_splits(lse_part, out_part, Out)
+            merge(lse_part, out_part, Out)
 
     return main
 
