@@ -41,17 +41,18 @@ def padded_contexts(
 
 
 def each_sequence(
-    cache: torch.Tensor, meta: AttentionMetadata
+    cache: torch.Tensor, meta: AttentionMetadata, masks: bool = True
 ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
     """Per sequence: its new tokens' rows in the step, its context rows [L, width], and
-    the causal mask [q_len, L] of its queries over them (None for a single query)."""
+    the causal mask [q_len, L] of its queries over them (None for a single query, or
+    without ``masks``)."""
     block_size = cache.shape[1]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
         num_blocks = -(-seq_len // block_size)
         rows = gather_rows(cache, meta.block_tables[i, :num_blocks], seq_len)
         mask = None
-        if q_len > 1:
+        if q_len > 1 and masks:
             queries = torch.arange(seq_len - q_len, seq_len, device=cache.device)
             mask = queries[:, None] >= torch.arange(seq_len, device=cache.device)[None, :]
         yield slice(start, start + q_len), rows, mask
