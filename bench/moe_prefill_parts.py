@@ -6,8 +6,9 @@ On a CUDA machine. DeepSeek-V3's routed experts (256 experts, top-8, hidden 7168
 2048) under uniform random routing. Times, each over CUDA-graph replays
 (``bench.kernel_speed.time_calls``): the whole ``kernels.moe.grouped_mm_moe``; its
 stages alone (sorting the pairs, gathering their rows, the gate/up grouped GEMM, SiLU, mul
-and the routing weight, the down grouped GEMM, gathering the pairs back in order and
-summing; beside it the way before, weighting the outputs and writing them back by index); one
+and the routing weight in one kernel (torch's three ops beside it), the down grouped GEMM,
+gathering the pairs back in order and summing (beside it the way before: weighting the
+outputs and writing them back by index)); one
 dense GEMM of the same FLOPs as each grouped one (what the matrix units give at that
 shape without groups). Floors: the FLOPs at the measured matmul peak, and the experts'
 weights (every expert is chosen at these token counts) at the copy ceiling.
@@ -31,6 +32,7 @@ from bench.common import machine_info  # noqa: E402
 from bench.kernel_speed import measure_ceilings, time_calls  # noqa: E402
 from bench.mla_moe_speed import EXPERTS, HIDDEN, INTER, TOP_K, moe_weights, routing  # noqa: E402
 from kernels import moe  # noqa: E402
+from kernels.activation import silu_and_mul  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -48,7 +50,8 @@ def stages(x, ids, weights, w13, w2) -> dict:
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
     gate, up = gate_up.chunk(2, dim=-1)
     w = weights.flatten()[order, None].to(BF16)
-    h = torch.nn.functional.silu(gate).mul_(up).mul_(w)
+    w32 = weights.flatten()[order].float()
+    h = silu_and_mul(gate_up, row_scale=w32)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda"))
 
@@ -77,7 +80,8 @@ def stages(x, ids, weights, w13, w2) -> dict:
         "sort": sort,
         "gather": lambda: x[token_of],
         "gate_up_grouped_mm": lambda: torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets),
-        "silu_mul_weight": lambda: torch.nn.functional.silu(gate).mul_(up).mul_(w),
+        "silu_mul_weight": lambda: silu_and_mul(gate_up, row_scale=w32),
+        "silu_mul_weight_torch": lambda: torch.nn.functional.silu(gate).mul_(up).mul_(w),
         "down_grouped_mm": lambda: torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets),
         "unsort_sum": back,
         "weight_unsort_sum_by_index_put": back_by_index_put,

@@ -135,6 +135,9 @@ def test_silu_and_mul(inter, num_tokens):
     out = silu_and_mul(x)
     assert out.shape == (num_tokens, inter) and not out.isnan().any()
     assert rel_error(out, silu_and_mul_ref(x)) <= TOL
+    scale = torch.rand(num_tokens, device="cuda") * 2  # a MoE pair's routing weight per row
+    scaled = silu_and_mul(x, row_scale=scale)
+    assert rel_error(scaled, silu_and_mul_ref(x, row_scale=scale)) <= TOL
 
 
 # (N, K): the 8B shape's qkv, o, gate_up, down; SmolLM2's qkv; a K that is not a

@@ -202,6 +202,9 @@ def test_silu_and_mul_reference_is_the_swiglu_gate():
     gate, up = x[:, :24], x[:, 24:]
     expected = gate * torch.sigmoid(gate) * up
     assert torch.allclose(silu_and_mul_ref(x), expected.float(), atol=1e-6)
+    scale = torch.rand(5, dtype=torch.float64)
+    scaled = silu_and_mul_ref(x, row_scale=scale)
+    assert torch.allclose(scaled, (expected * scale[:, None]).float(), atol=1e-6)
 
 
 def test_make_problem_never_uses_the_null_block():
