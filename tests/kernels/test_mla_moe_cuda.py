@@ -134,6 +134,47 @@ def test_mla_backend_decode_matches_the_torch_backend():
     assert rel_error(out, ref.float()) <= TOL
 
 
+def test_mla_prefill_matches_the_float32_cpu_path():
+    """Prefill through SDPA's fused kernels on CUDA (the causal mask aligned to the last
+    key, values padded to the keys' width) against the same backend on the CPU in float32:
+    a fresh prompt and a chunk after a cached prefix, in one step."""
+    from engine.attention.base import AttentionMetadata
+    from engine.attention.torch_mla import TorchMLABackend
+    from engine.config import MLAConfig
+    from kvstore.layout import KVCache, KVCacheLayout
+
+    mla = MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                    v_head_dim=128, q_lora_rank=1536)  # fmt: skip
+    heads, block, scale = 16, 128, 192**-0.5
+    seq_lens, q_lens = [300, 700], [300, 200]  # the second: 500 cached tokens, then 200
+    g = torch.Generator().manual_seed(3)
+    tables = torch.tensor([[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 8, 9]], dtype=torch.int32)
+    slots = [int(tables[b, t // block]) * block + t % block
+             for b in range(2) for t in range(seq_lens[b] - q_lens[b], seq_lens[b])]  # fmt: skip
+    q = torch.randn(sum(q_lens), heads, mla.qk_head_dim, generator=g)
+    latent = torch.randn(sum(q_lens), 576, generator=g)
+    kv_b = torch.randn(heads * 256, 512, generator=g) / 512**0.5
+    prefix = torch.randn(10 * block, 576, generator=g)  # what the cache already holds
+    outs = []
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        layout = KVCacheLayout.for_mla(1, 512, 64, block, dtype)
+        cache = KVCache(layout, 10, device)
+        cache.layers[0].copy_(prefix.view(10, block, 576))
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32,
+                                         device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=tables.to(device), slot_mapping=torch.tensor(slots, device=device),
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+        )  # fmt: skip
+        backend = TorchMLABackend(cache, heads, mla, scale)
+        args = [t.to(device, dtype) for t in (q, latent, kv_b)]
+        outs.append(backend.forward(0, *args, meta).float().cpu())
+    assert outs[1].shape == (sum(q_lens), heads, mla.v_head_dim)
+    assert rel_error(outs[1], outs[0]) <= TOL
+
+
 @pytest.fixture(scope="module", params=MOE_SHAPES, ids=lambda s: "E{}k{}H{}I{}".format(*s))
 def moe_weights(request):
     experts, top_k, hidden, inter = request.param
