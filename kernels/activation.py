@@ -34,7 +34,9 @@ def _silu_mul_program(inter, dtype, scaled):
 
     @T.macro
     def rows(X, Out, scale):
-        with T.Kernel(T.ceildiv(inter, BLOCK), num_tokens, threads=128) as (bx, t):
+        # tokens on the grid's x axis: y and z stop at 65535 (a 16k-token MoE prefill has
+        # 131k rows of (token, expert) pairs)
+        with T.Kernel(num_tokens, T.ceildiv(inter, BLOCK), threads=128) as (t, bx):
             for j in T.Parallel(BLOCK):
                 col = bx * BLOCK + j
                 if col < inter:

@@ -76,21 +76,25 @@ class TorchMLABackend(MLABackend):
         """Attention over decompressed keys and values, sequence by sequence. The causal
         mask is SDPA's own, aligned to the last key (a chunk after a cached prefix sees the
         whole prefix), so CUDA runs a fused attention kernel rather than the masked math
-        one; there the values are padded with zeros to the keys' width, which the fused
-        kernels need (a 4k-token prefill of deepseek-v3-4l: 294 ms with an explicit mask)."""
+        one; for that it computes in the cache's dtype (the queries can arrive in float32
+        from the rotary step) and pads the values with zeros to the keys' width. A
+        4k-token prefill of deepseek-v3-4l spent 268 of its 321 ms in the math kernel."""
         mla = self.mla
         out = q.new_empty(q.shape[0], self.num_heads, mla.v_head_dim)
-        pad = mla.qk_head_dim - mla.v_head_dim if q.is_cuda else 0
+        fused = q.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
+        dtype = cache.dtype if fused else q.dtype
+        pad = mla.qk_head_dim - mla.v_head_dim if fused else 0
+        kv_b = kv_b.to(dtype)
         for tokens, rows, _ in each_sequence(cache, meta, masks=False):
-            c, k_pe = rows.to(q.dtype).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            c, k_pe = rows.to(dtype).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             kv = F.linear(c, kv_b).unflatten(-1, (self.num_heads, -1))  # [L, H, nope + v]
             k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
             k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
             q_len, seq_len = tokens.stop - tokens.start, rows.shape[0]
             causal = causal_lower_right(q_len, seq_len) if q_len > 1 else None
             o = F.scaled_dot_product_attention(
-                q[tokens].transpose(0, 1), k.transpose(0, 1), F.pad(v, (0, pad)).transpose(0, 1),
-                attn_mask=causal, scale=self.scale,
+                q[tokens].to(dtype).transpose(0, 1), k.transpose(0, 1),
+                F.pad(v, (0, pad)).transpose(0, 1), attn_mask=causal, scale=self.scale,
             )  # fmt: skip
             out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
         return out

@@ -136,8 +136,8 @@ def test_mla_backend_decode_matches_the_torch_backend():
 
 def test_mla_prefill_matches_the_float32_cpu_path():
     """Prefill through SDPA's fused kernels on CUDA (the causal mask aligned to the last
-    key, values padded to the keys' width) against the same backend on the CPU in float32:
-    a fresh prompt and a chunk after a cached prefix, in one step."""
+    key, bf16, values padded to the keys' width) against the same backend on the CPU in
+    float32: a fresh prompt and a chunk after a cached prefix, in one step."""
     from engine.attention.base import AttentionMetadata
     from engine.attention.torch_mla import TorchMLABackend
     from engine.config import MLAConfig
@@ -169,7 +169,8 @@ def test_mla_prefill_matches_the_float32_cpu_path():
             seq_lens_cpu=seq_lens,
         )  # fmt: skip
         backend = TorchMLABackend(cache, heads, mla, scale)
-        args = [t.to(device, dtype) for t in (q, latent, kv_b)]
+        # float32 queries beside a bf16 cache, as the model's rotary step can hand them over
+        args = [q.to(device), latent.to(device, dtype), kv_b.to(device, dtype)]
         outs.append(backend.forward(0, *args, meta).float().cpu())
     assert outs[1].shape == (sum(q_lens), heads, mla.v_head_dim)
     assert rel_error(outs[1], outs[0]) <= TOL
