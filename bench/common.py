@@ -69,3 +69,13 @@ def wall_times(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[
 def median_time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of ``fn()`` in seconds over ``repeats`` runs, after one warm-up."""
     return statistics.median(wall_times(fn, repeats))
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM, wait up to ``grace_s`` for a clean exit, then SIGKILL (a server, a worker)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import machine_info
+from bench.common import machine_info, stop_process
 
 _SERVING = re.compile(r"^ferry: serving \S+ on (http://\S+)$", re.MULTILINE)
 
@@ -54,12 +54,7 @@ def start_once(ranks: int, model: str, device: str, timeout: float) -> dict:
             ready = time.monotonic() - started
             health = httpx.get(f"{url}/health", timeout=10).json()
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, 60)
     decode = [w for w in health["workers"] if w["role"] == "decode"]
     phases: dict[str, float] = {}
     for worker in decode:

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import machine_info
+from bench.common import machine_info, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"ferry: serving (\S+) on (http://\S+)")
@@ -150,8 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                     _save(report, results, args)  # after every point: a cut run keeps them
         finally:
             for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait(timeout=60)
+                stop_process(proc, 60)
     _save(report, results, args)
     print(f"wrote {args.out}")
 

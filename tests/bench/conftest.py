@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # until `bench` is installed with the project
     sys.path.insert(0, str(ROOT))
 
+from bench.common import stop_process  # noqa: E402
 from bench.load.fake_server import FakeTiming, start  # noqa: E402
 
 STARTUP_TIMEOUT_S = 120.0
@@ -84,9 +85,4 @@ def ferry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _wait_healthy(proc, url, log)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

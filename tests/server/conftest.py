@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.common import stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key-ferry"
 CLUSTER_SECRET = "test-cluster-secret-ferry"  # every test frontend and worker shares it
@@ -123,12 +125,7 @@ def _process(
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @contextlib.contextmanager
