@@ -42,7 +42,9 @@ The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard`
 veto its drafts for a step: it compares the measured tokens per second of steps that
 verified drafts and of steps that did not, per batch size, and probes the mode it does
 not favour at a small bounded rate. ``observe`` feeds it each step's wall time (the
-interval between two outcomes, ``clock``) and the tokens the step yielded.
+interval between two outcomes, ``clock``) and the tokens the step yielded. The policy's
+budget, asks and explorations count only for steps its choice stands in (not a probe of
+no drafts).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class SpecCounters:
     time_us: int = 0  # measured step time of the steps the cost model predicted
     time_error_us: int = 0  # sum of |predicted - measured|
     budget: int = 0  # drafts the policy chose, summed over the steps it was asked
-    asked: int = 0  # steps the policy was asked (candidates there)
+    asked: int = 0  # steps the policy was asked and its choice stood (no no-draft probe)
     guard_blocked: int = 0  # steps the guard ran without drafts, not probing
     guard_probes: int = 0  # probe steps (either mode)
     explored: int = 0  # steps the policy verified a total of a size never measured
@@ -148,8 +150,7 @@ class SpecDecoding:
         """Drafts each candidate verifies this step (the policy's choice, unless the guard
         vetoes it). ``decode``: every chunk of the step is one token (default: as many
         tokens as sampling chunks); ``limit``: most drafts in all (the token budget left)."""
-        if decode is None:
-            decode = base_tokens == base_yield
+        decode = VerifyStep.is_decode(base_tokens, base_yield, decode)
         key = RealizedGainGuard.regime(base_yield, not decode)
         self._holding = False
         if not candidates:
@@ -160,18 +161,17 @@ class SpecDecoding:
         if guard is None or guard.favours(key):
             # the policy first: a step it verifies no draft in is the guard's concern only
             # as a sample (no probe is needed to run a step without drafts)
-            explored = self.counters.explored
-            lengths = self._ask(candidates, base_tokens, base_yield, decode, limit)
-            if guard is not None and any(lengths) and not self._allow(key):
-                self.counters.budget -= sum(lengths)  # a probe without drafts: not asked
-                self.counters.asked -= 1
-                self.counters.explored = explored
-                lengths = [0] * len(candidates)
-            elif not any(lengths):
+            lengths, explored = self._ask(candidates, base_tokens, base_yield, decode, limit)
+            if not any(lengths):
                 self._go_quiet(key)
+            elif guard is not None and not self._allow(key):
+                return [0] * len(candidates)  # a probe without drafts: the policy not asked
+            self._count(lengths, explored)
             return lengths
         if self._allow(key):  # a probe of the policy's drafts
-            return self._ask(candidates, base_tokens, base_yield, decode, limit)
+            lengths, explored = self._ask(candidates, base_tokens, base_yield, decode, limit)
+            self._count(lengths, explored)
+            return lengths
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
         self._go_quiet(key)
@@ -218,8 +218,9 @@ class SpecDecoding:
     def _ask(
         self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
         decode: bool, limit: int | None,
-    ) -> list[int]:  # fmt: skip
-        """The policy's lengths for the candidates."""
+    ) -> tuple[list[int], int]:  # fmt: skip
+        """The policy's lengths for the candidates, and how many explorations it counted
+        for them."""
         curves = [c.curve for c in candidates]
         budget_curves = curves
         if self.lagged:
@@ -233,10 +234,13 @@ class SpecDecoding:
         step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit)
         explored = getattr(self.policy, "explored", 0)
         lengths = self.policy.lengths(step)
-        self.counters.explored += getattr(self.policy, "explored", 0) - explored
+        return lengths, getattr(self.policy, "explored", 0) - explored
+
+    def _count(self, lengths: list[int], explored: int) -> None:
+        """The policy's choice stands for this step: its budget and explorations count."""
         self.counters.asked += 1
         self.counters.budget += sum(lengths)
-        return lengths
+        self.counters.explored += explored
 
     def verifying(self, request_id: str, curve: list[float]) -> None:
         """The step being planned verifies drafts of ``request_id`` with these survivals."""

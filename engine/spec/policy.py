@@ -56,9 +56,15 @@ class VerifyStep:
     decode: bool | None = None  # every chunk one token (+ drafts); None: base_tokens == base_yield
     limit: int | None = None  # most drafts in all: the token budget left after the chunks
 
+    @staticmethod
+    def is_decode(base_tokens: int, base_yield: int, decode: bool | None = None) -> bool:
+        """Whether a step is every chunk one token plus drafts: ``decode`` where given,
+        else whether it runs as many tokens as it samples."""
+        return base_tokens == base_yield if decode is None else decode
+
     @property
     def decode_only(self) -> bool:
-        return self.base_tokens == self.base_yield if self.decode is None else self.decode
+        return self.is_decode(self.base_tokens, self.base_yield, self.decode)
 
 
 class VerifyPolicy(ABC):
