@@ -29,10 +29,13 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   larger measured one costs, or past every measured size as much per token as the
   largest. So an unmeasured size is *explored*: when the optimistic price (the line
   through the neighbouring sizes) says a total in the first unmeasured size above the
-  step's pays more than the measured choice, that total is verified once every
-  ``EXPLORE_EVERY`` steps until its size has samples; then its measured cost decides, and
-  the next size up may be explored. Sizes are explored one at a time, upwards, so an
-  exploration costs at most one graph size more than what is known.
+  measured choice's size pays more than that choice, that total is verified once every
+  ``EXPLORE_EVERY`` steps (at once where the choice is no drafts: exploring then risks
+  least) until its size has samples; then its measured cost decides, and
+  the next size up may be explored. Sizes are explored one at a time, upwards from the
+  choice (an unmeasured size between measured ones too: priced as the larger one, it
+  would otherwise never be tried), so an exploration costs at most one graph size more
+  than what is known.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class FixedPolicy(VerifyPolicy):
         return [len(c) for c in step.curves]
 
 
-EXPLORE_EVERY = 8  # steps between two explorations of a step size never measured
+EXPLORE_EVERY = 4  # steps between two explorations of a step size never measured (a size
+# needs 3 samples: 12 steps)
 
 
 class DynamicPolicy(VerifyPolicy):
@@ -133,15 +137,19 @@ class DynamicPolicy(VerifyPolicy):
 
         total = best_total(step.budget_curves, step.base_yield, pricer(False), step.limit)
         self._since_explore += 1
-        if self._since_explore >= EXPLORE_EVERY:
-            self._since_explore = 0
-            # one size past the measured ones at a time: the first unmeasured size's top
-            frontier = forward.frontier(step.base_tokens, decode) - step.base_tokens
+        due = self._since_explore >= EXPLORE_EVERY
+        if due or not total:  # a choice of no drafts explores at once: it risks least
+            if due:
+                self._since_explore = 0
+            # one size past the measured ones at a time: the top of the first unmeasured
+            # size above the measured choice (a size below it is no help: fewer drafts)
+            frontier = forward.frontier(step.base_tokens + total, decode) - step.base_tokens
             cap = frontier if step.limit is None else min(step.limit, frontier)
             hope = best_total(step.budget_curves, step.base_yield, pricer(True), cap)
             if hope > total and not forward.measured(step.base_tokens + hope, decode):
                 total = hope
                 self.explored += 1
+                self._since_explore = 0
         return allocate(step.curves, total)
 
 

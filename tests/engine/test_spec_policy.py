@@ -482,6 +482,19 @@ def test_exploration_climbs_one_size_at_a_time_to_drafts_that_pay():
     assert [n for n, _, _ in steps[-50:]].count(80) >= 45
 
 
+def test_exploration_tries_an_unmeasured_size_between_measured_ones():
+    """Graph sizes 1, 4 and 16 measured, 8 never: priced as 16, the fifth and sixth rows
+    of a lone request look dear. The size above the choice is explored (not only the one
+    above the step's own), and once measured all five drafts are verified."""
+    spec = dynamic_spec()
+    costs = {1: 0.0044, 2: 0.0044, 4: 0.00445, 8: 0.00455, 16: 0.0050}
+    for rows in (1, 4, 16) * 3:
+        spec.policy.observe(rows, costs[rows], 0.0, 0.0, decode=True)
+    steps = simulate(spec, lambda rows: costs[graph_size(rows)], 1, RATES, RATES, 80)
+    assert spec.policy.cost.forward.measured(6, decode=True)
+    assert [n for n, _, _ in steps[-40:]].count(5) >= 36
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_forward_times_in_one_pass_equal_time_of_each(seed):
     rng = random.Random(seed)
