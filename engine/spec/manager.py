@@ -42,7 +42,8 @@ The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard`
 veto its drafts for a step: it compares the measured tokens per second of steps that
 verified drafts and of steps that did not, per batch size, and probes the mode it does
 not favour at a small bounded rate. ``observe`` feeds it each step's wall time (the
-interval between two outcomes, ``clock``) and the tokens the step yielded. The policy's
+interval between two outcomes, ``clock``), its device time (a ceiling on the rate without
+drafts) and the tokens the step yielded. The policy's
 budget, asks and explorations count only for steps its choice stands in (not a probe of
 no drafts).
 """
@@ -283,11 +284,13 @@ class SpecDecoding:
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
                                 timing.draft_s, decode)  # fmt: skip
             sampling = sum(c.sample for c in plan.chunks)
-            if (self.guard is not None and sampling and interval is not None
-                    and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)):  # fmt: skip
+            if self.guard is not None and sampling:
                 yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
                 key = self.guard.regime(sampling, not decode)
-                self.guard.record(key, verified > 0, yielded, interval)
+                if interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4):
+                    self.guard.record(key, verified > 0, yielded, interval)
+                if not verified:
+                    self.guard.record_device(key, yielded, timing.forward_s + timing.sample_s)
 
     def idle(self) -> None:
         """Nothing is left to run: the wall time until the next outcome measures no step."""

@@ -20,6 +20,7 @@ from engine.plan import ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec import guard
 from engine.spec.base import Proposal
 from engine.spec.cost import ForwardTimeEstimator, MedianEstimator, StepCostModel, graph_size
 from engine.spec.manager import Candidate, SpecDecoding
@@ -493,6 +494,20 @@ def test_exploration_tries_an_unmeasured_size_between_measured_ones():
     steps = simulate(spec, lambda rows: costs[graph_size(rows)], 1, RATES, RATES, 80)
     assert spec.policy.cost.forward.measured(6, decode=True)
     assert [n for n, _, _ in steps[-40:]].count(5) >= 36
+
+
+def test_guard_needs_no_warm_up_probes_where_drafts_beat_the_ceiling():
+    """Speculation measured at twice what the steps without drafts could reach at best
+    (their tokens over their device time) is ahead without a sample of that mode: no
+    probes while the regime warms up, the rarest after. Only the choices that ran count as
+    the policy's budget."""
+    spec = dynamic_spec()
+    steps = simulate(spec, lambda rows: 0.007 + 0.00001 * rows, 1, RATES, RATES, 250)
+    key = spec.guard.regime(1, False)
+    assert spec.guard.ceiling(key) == pytest.approx(1 / 0.00701, rel=0.01)
+    assert spec.guard.rate(key, False) is None  # never needed
+    assert spec.counters.guard_probes <= guard.PROBE_STEPS
+    assert spec.counters.budget == sum(n for n, _, _ in steps)
 
 
 @pytest.mark.parametrize("seed", range(20))
