@@ -21,7 +21,9 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   its tokens are known, so the device waits for the host once (``SpecDecoding`` measures
   it). Until the cost model has samples of
   two step sizes it verifies every draft in one step and none in the next, so that it
-  sees both sizes (prefill steps, whose tokens count, help too).
+  sees both sizes (prefill steps, whose tokens count, help too). A choice of no drafts
+  explores at once (below), and is a verdict (``sure``) only where the step's own size
+  was measured: the drafter rests after verdicts only (``SpecDecoding``).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
@@ -110,6 +112,9 @@ class DynamicPolicy(VerifyPolicy):
         self._explore = False
         self._since_explore = EXPLORE_EVERY
         self.explored = 0  # steps that verified a total in a size never measured
+        # whether the latest choice, where it was no drafts, is a verdict: the cost model
+        # ready and the step's own size measured (else a guess, SpecDecoding rests not)
+        self.sure = True
 
     def observe(
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
@@ -122,6 +127,7 @@ class DynamicPolicy(VerifyPolicy):
 
     def lengths(self, step: VerifyStep) -> list[int]:
         if not self.cost.ready:
+            self.sure = False
             self._explore = not self._explore
             return [0 if self._explore else len(c) for c in step.curves]
         decode = step.decode_only
@@ -150,6 +156,8 @@ class DynamicPolicy(VerifyPolicy):
                 total = hope
                 self.explored += 1
                 self._since_explore = 0
+        # no drafts is a verdict only where the step's own size was measured
+        self.sure = bool(total) or forward.measured(step.base_tokens, decode)
         return allocate(step.curves, total)
 
 

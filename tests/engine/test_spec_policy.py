@@ -536,28 +536,70 @@ def _idle_spec(guard: bool = True) -> SpecDecoding:
     return spec
 
 
-def test_the_drafter_rests_while_the_policy_verifies_nothing():
-    """A step the policy verifies no draft in lets the drafter rest QUIET_STEPS steps of its
-    regime (no candidates then); after that it proposes again and the policy is asked;
-    a step of another regime ends the rest at once."""
-    from engine.spec.manager import QUIET_STEPS
+def test_the_drafter_rests_longer_each_time_the_policy_verifies_nothing():
+    """One step the policy verifies no draft in rests nothing (one choice, maybe a noisy
+    one); each further one in a row lets the drafter rest twice as many steps of its
+    regime (no candidates then), up to QUIET_STEPS; after a rest it proposes again and the
+    policy is asked; a step of another regime ends the rest at once."""
+    from engine.spec.manager import QUIET_STEPS, rest_steps
 
+    assert [rest_steps(z) for z in range(1, 10)] == [0, 2, 4, 8, 16, 32, 64, 128, 128]
+    assert QUIET_STEPS == 128
     spec = _idle_spec()
     reqs = [request(f"r{i}") for i in range(64)]
     cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
     assert spec.proposes
     assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
-    assert not spec.proposes
-    for _ in range(QUIET_STEPS - 1):
-        assert spec.lengths([], 64, 64, decode=True, limit=10_000) == []
-        assert not spec.proposes
-    spec.lengths([], 64, 64, decode=True, limit=10_000)
-    assert spec.proposes
+    assert spec.proposes  # the first verdict: no rest
+    for zeros in range(2, 6):
+        assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+        for _ in range(rest_steps(zeros)):
+            assert not spec.proposes
+            assert spec.lengths([], 64, 64, decode=True, limit=10_000) == []
+        assert spec.proposes
     spec.lengths(cands, 64, 64, decode=True, limit=10_000)
     assert not spec.proposes
     spec.lengths([], 8, 8, decode=True, limit=10_000)  # a batch of another graph size
     assert spec.proposes
     assert spec.counters.guard_probes == 0  # nothing to probe: no step verified drafts
+
+
+def test_a_rest_ends_on_drafts_that_pay_and_not_on_a_step_that_also_verified_none():
+    """Drafts that pay again start the count anew (the next zero rests nothing); a step of
+    another regime whose own latest verdicts were no drafts (prefill steps between decode
+    steps at high load) leaves the rest as it is."""
+    spec = _idle_spec()
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    sure = [Candidate(r, [0] * 5, [1.0] * 5) for r in reqs]  # drafts always kept: they pay
+    for _ in range(3):
+        spec.lengths(cands, 64, 64, decode=True, limit=10_000)
+        spec.lengths(cands, 64 + 64, 64, decode=False, limit=10_000)  # with prefill
+        while not spec.proposes:
+            spec.lengths([], 64, 64, decode=True, limit=10_000)
+    assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+    assert not spec.proposes
+    spec.lengths([], 128, 64, decode=False, limit=10_000)  # prefill, whose verdicts were none
+    assert not spec.proposes
+    while not spec.proposes:  # the rest over: drafts that pay
+        spec.lengths([], 64, 64, decode=True, limit=10_000)
+    assert sum(spec.lengths(sure, 64, 64, decode=True, limit=10_000)) > 0
+    assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+    assert spec.proposes  # counted anew: one verdict rests nothing
+
+
+def test_no_drafts_on_a_size_never_measured_is_no_verdict():
+    """The policy verifies nothing in a step of a size its cost model never ran (priced
+    past every measured size, as dear per token as the largest): a guess, after which the
+    drafter does not rest, however often it repeats."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8) * 3:
+        spec.policy.observe(rows, 0.001 * rows, 0.0, 0.0, decode=True)
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    for _ in range(5):
+        assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+        assert spec.proposes and not spec.policy.sure
 
 
 def test_no_draft_probes_only_on_steps_the_policy_verifies_drafts_in():
