@@ -16,7 +16,12 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   count this is the best allocation there is: for each total, the largest ``P`` values
   are the most expected tokens, and a request's curve never rises, so they form a prefix
   of each request's drafts; every total is tried, up to the token budget the step's
-  prefill chunks leave (``VerifyStep.limit``). Under overlap scheduling a step that
+  prefill chunks leave (``VerifyStep.limit``). A step with prefill is no cycle of its
+  own: its prefill runs whatever is verified, so its rate says nothing of what drafts in
+  it are worth (added to a long prefill, drafts raise its rate while adding tokens more
+  slowly than a decode step yields them). There ``best_gain`` chooses the total: the
+  most expected kept drafts beyond what the time they add yields at the rate of a decode
+  step of the batch without drafts. Under overlap scheduling a step that
   verifies any draft also costs ``exposed_host_s``: the next step cannot be planned until
   its tokens are known, so the device waits for the host once (``SpecDecoding`` measures
   it). Until the cost model has samples of
@@ -141,7 +146,16 @@ class DynamicPolicy(VerifyPolicy):
             table = forward.times(step.base_tokens, drafts, decode, optimistic)
             return lambda n: table[n] + fixed + (step.exposed_host_s if n else 0.0)
 
-        total = best_total(step.budget_curves, step.base_yield, pricer(False), step.limit)
+        if decode:
+            def choose(time: Callable[[int], float], limit: int | None) -> int:
+                return best_total(step.budget_curves, step.base_yield, time, limit)
+        else:  # the step's prefill runs anyway: drafts must pay as decode steps would
+            rate = step.base_yield / (forward.time(step.base_yield, True) + fixed)
+
+            def choose(time: Callable[[int], float], limit: int | None) -> int:
+                return best_gain(step.budget_curves, rate, time, limit)
+
+        total = choose(pricer(False), step.limit)
         self._since_explore += 1
         due = self._since_explore >= EXPLORE_EVERY
         if due or not total:  # a choice of no drafts explores at once: it risks least
@@ -151,7 +165,7 @@ class DynamicPolicy(VerifyPolicy):
             # size above the measured choice (a size below it is no help: fewer drafts)
             frontier = forward.frontier(step.base_tokens + total, decode) - step.base_tokens
             cap = frontier if step.limit is None else min(step.limit, frontier)
-            hope = best_total(step.budget_curves, step.base_yield, pricer(True), cap)
+            hope = choose(pricer(True), cap)
             if hope > total and not forward.measured(step.base_tokens + hope, decode):
                 total = hope
                 self.explored += 1
@@ -178,6 +192,28 @@ def best_total(
         rate = expected / time(n)
         if rate > best_rate:
             best_n, best_rate = n, rate
+    return best_n
+
+
+def best_gain(
+    curves: Sequence[Sequence[float]], rate: float, time: Callable[[int], float],
+    limit: int | None = None,
+) -> int:
+    """How many drafts to verify in all in a step whose own tokens run anyway (prefill):
+    the count ``n`` whose expected kept drafts (the ``n`` largest P) exceed most what
+    the time they add, ``time(n) - time(0)``, yields at ``rate`` tokens per second (what
+    the engine gets without them), trying every ``n`` from 0 to all, or to ``limit``
+    (the first best wins ties)."""
+    values = sorted((p for curve in curves for p in curve), reverse=True)
+    if limit is not None:
+        values = values[: max(limit, 0)]
+    base = time(0)
+    gain, best_n, best = 0.0, 0, 0.0
+    for n, p in enumerate(values, start=1):
+        gain += p
+        value = gain - rate * (time(n) - base)
+        if value > best:
+            best_n, best = n, value
     return best_n
 
 

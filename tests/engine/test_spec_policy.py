@@ -24,7 +24,14 @@ from engine.spec import guard
 from engine.spec.base import Proposal
 from engine.spec.cost import ForwardTimeEstimator, MedianEstimator, StepCostModel, graph_size
 from engine.spec.manager import Candidate, SpecDecoding
-from engine.spec.policy import DynamicPolicy, FixedPolicy, VerifyStep, allocate, best_total
+from engine.spec.policy import (
+    DynamicPolicy,
+    FixedPolicy,
+    VerifyStep,
+    allocate,
+    best_gain,
+    best_total,
+)
 
 
 def survival(confidences: list[float]) -> list[float]:
@@ -143,6 +150,27 @@ def test_host_time_is_measured_and_counted_only_under_overlap():
         assert spec.lengths([candidate], 1, 1) == ([0] if overlap else [1])
 
 
+def test_dynamic_verifies_drafts_in_a_prefill_step_only_where_they_beat_decode_steps():
+    """A step with a long prefill yields few tokens for its time whatever it verifies: its
+    drafts must add tokens faster than a decode step of the batch yields them, not merely
+    raise the step's own rate."""
+    policy = DynamicPolicy()
+    for _ in range(3):
+        policy.observe(64, 0.0057, 0.0, 0.0, decode=True)
+        policy.observe(128, 0.0070, 0.0, 0.0, decode=True)
+        policy.observe(256, 0.010, 0.0, 0.0)
+        policy.observe(1024, 0.030, 0.0, 0.0)  # eager: ~26 us a token
+    curves = [survival([0.8, 0.7])] * 64
+    step = VerifyStep(curves, curves, 664, 64, exposed_host_s=0.006, decode=False)
+    # 128 drafts: +3.3 ms forward, +6 ms host, ~87 tokens: 9.4 a ms against 11 a ms of a
+    # decode step, though they would lift this step's own rate from 3.1 to 5 a ms
+    assert best_total(curves, 64, lambda n: 0.0206 + (0.0093 * n / 128 if n else 0)) > 0
+    assert sum(policy.lengths(step)) == 0
+    cheap = VerifyStep(curves, curves, 664, 64, exposed_host_s=0.001, decode=False)
+    assert sum(policy.lengths(cheap)) == 128  # +4.3 ms for 87 tokens: 20 a ms
+    assert best_gain(curves, 11.0, lambda n: 0.0043 * n / 128) == 128
+
+
 def test_forward_estimator_recovers_baseline_and_slope_through_outliers():
     est = ForwardTimeEstimator()
     rng = random.Random(0)
@@ -214,6 +242,19 @@ def test_forward_estimator_follows_a_regime_change_within_its_window():
     for _ in range(5):
         est.add(64, 0.020)  # the machine got slower at 64 (another tenant, a bigger KV)
     assert est.time(64) == pytest.approx(0.020)
+
+
+def test_forward_estimator_prices_steps_with_prefill_along_their_measured_line():
+    """An eager step's cost grows with every token: inside a group, below its median, it
+    is priced along the line between the points on either side, not flat at the median
+    (which made drafts added to a long prefill look free)."""
+    est = ForwardTimeEstimator(min_group=3)
+    for tokens, seconds in ((64, 0.010), (300, 0.018), (400, 0.020), (500, 0.022)) * 3:
+        est.add(tokens, seconds)  # groups 64 and 512 (median 400 tokens, 20 ms)
+    assert est.time(64) == pytest.approx(0.010)
+    assert est.time(300) == pytest.approx(0.010 + 0.010 * (300 - 64) / (400 - 64))
+    assert est.time(300) < est.time(350) < est.time(400) == pytest.approx(0.020)
+    assert est.time(32) == pytest.approx(0.010)  # below every point: the smallest's time
 
 
 def test_median_estimator_waits_for_samples_and_ignores_a_spike():
