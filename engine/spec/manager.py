@@ -20,7 +20,8 @@ it must know how many were kept to place its tokens.
 Host time. Under overlap a step without drafts is planned while the one before runs, so
 the host's work per step (planning, launching, folding tokens back) is hidden; after a
 step that verifies drafts the device waits for it once. ``host_time`` takes each step's
-host work from the engine and the policy counts its median against verifying any draft.
+host work from the engine and the policy counts its median against verifying any draft
+(without overlap, against every step: none is hidden).
 
 Lagged statistics. With overlap the policy sizes the total from the curves the requests
 had at the previous plan and ranks requests by the latest ones — the source report's rule
@@ -265,8 +266,10 @@ class SpecDecoding:
             ]
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
-        exposed = self.host.value() if self.lagged else 0.0
-        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit)
+        host = self.host.value()  # under overlap only a step with drafts waits for it
+        exposed, every = (host, 0.0) if self.lagged else (0.0, host)
+        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit,
+                          every)  # fmt: skip
         explored = getattr(self.policy, "explored", 0)
         lengths = self.policy.lengths(step)
         return lengths, getattr(self.policy, "explored", 0) - explored
@@ -332,7 +335,8 @@ class SpecDecoding:
 
     def host_time(self, seconds: float) -> None:
         """One engine step's host work (planning, launching, folding the tokens back):
-        under overlap, what a step that verifies drafts leaves the device waiting for."""
+        under overlap, what a step that verifies drafts leaves the device waiting for
+        (without overlap, what every step waits for)."""
         self.host.add(seconds)
 
     def forget(self, request_id: str) -> None:

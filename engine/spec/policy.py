@@ -21,14 +21,18 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   it are worth (added to a long prefill, drafts raise its rate while adding tokens more
   slowly than a decode step yields them). There ``best_gain`` chooses the total: the
   most expected kept drafts beyond what the time they add yields at the rate of a decode
-  step of the batch without drafts. Under overlap scheduling a step that
-  verifies any draft also costs ``exposed_host_s``: the next step cannot be planned until
-  its tokens are known, so the device waits for the host once (``SpecDecoding`` measures
-  it). Until the cost model has samples of
-  two step sizes it verifies every draft in one step and none in the next, so that it
-  sees both sizes (prefill steps, whose tokens count, help too). A choice of no drafts
-  explores at once (below), and is a verdict (``sure``) only where the step's own size
-  was measured: the drafter rests after verdicts only (``SpecDecoding``).
+  step of the batch without drafts. A step's time is its forward's and its sampling's;
+  one that verifies any draft also pays the drafter's proposals for the next step (a
+  step without drafts lets the drafter rest: counted there, drafting would make no
+  speculation look dearer than it is, and at high load drafts pay where they do not)
+  and, under overlap scheduling, ``exposed_host_s``: the next step cannot be planned
+  until its tokens are known, so the device waits for the host once (``SpecDecoding``
+  measures it; without overlap every step waits for it, ``host_s``). Until the cost
+  model has samples of two step sizes it verifies every draft in one step and none in
+  the next, so that it sees both sizes (prefill steps, whose tokens count, help too). A
+  choice of no drafts explores at once (below), and is a verdict (``sure``) only where
+  the step's own size was measured: the drafter rests after verdicts only
+  (``SpecDecoding``).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
@@ -65,6 +69,7 @@ class VerifyStep:
     exposed_host_s: float = 0.0  # device idle time a step with drafts adds (overlap lost)
     decode: bool | None = None  # every chunk one token (+ drafts); None: base_tokens == base_yield
     limit: int | None = None  # most drafts in all: the token budget left after the chunks
+    host_s: float = 0.0  # host work every step waits for (without overlap: none is hidden)
 
     @staticmethod
     def is_decode(base_tokens: int, base_yield: int, decode: bool | None = None) -> bool:
@@ -137,14 +142,17 @@ class DynamicPolicy(VerifyPolicy):
             return [0 if self._explore else len(c) for c in step.curves]
         decode = step.decode_only
         forward = self.cost.forward
-        fixed = self.cost.sampler.value() + self.cost.drafter.value()  # once: medians
+        # once, medians: sampling every step pays; drafting (the proposals for the next
+        # step) only one that speculates: without drafts the drafter rests
+        fixed = self.cost.sampler.value() + step.host_s
+        drafting = self.cost.drafter.value() + step.exposed_host_s
         drafts = sum(len(c) for c in step.budget_curves)
         if step.limit is not None:
             drafts = min(drafts, max(step.limit, 0))
 
         def pricer(optimistic: bool) -> Callable[[int], float]:
             table = forward.times(step.base_tokens, drafts, decode, optimistic)
-            return lambda n: table[n] + fixed + (step.exposed_host_s if n else 0.0)
+            return lambda n: table[n] + fixed + (drafting if n else 0.0)
 
         if decode:
             def choose(time: Callable[[int], float], limit: int | None) -> int:

@@ -150,6 +150,18 @@ def test_host_time_is_measured_and_counted_only_under_overlap():
         assert spec.lengths([candidate], 1, 1) == ([0] if overlap else [1])
 
 
+def test_dynamic_charges_drafting_only_to_steps_with_drafts():
+    """The drafter's proposals are for the next step: a step without drafts lets it rest.
+    Counted in every step, 4 ms of drafting made a 20% draft on a 10 ms step look worth
+    verifying."""
+    policy = DynamicPolicy()
+    for tokens in (1, 1, 1, 2, 2, 2):
+        policy.observe(tokens, 0.010 + 0.0001 * tokens, 0.0, 0.004)
+    step = VerifyStep([[0.2]], [[0.2]], 1, 1)
+    assert policy.lengths(step) == [0]  # 1.2 tokens in 14.1 ms against 1 in 10.1 ms
+    assert policy.lengths(VerifyStep([[0.5]], [[0.5]], 1, 1)) == [1]  # 1.5 in 14.1 ms
+
+
 def test_dynamic_verifies_drafts_in_a_prefill_step_only_where_they_beat_decode_steps():
     """A step with a long prefill yields few tokens for its time whatever it verifies: its
     drafts must add tokens faster than a decode step of the batch yields them, not merely
