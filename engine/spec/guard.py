@@ -9,7 +9,11 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
 - A step's *realized rate* is the tokens it yielded (one per sampling chunk plus the drafts
   kept) over the wall time from the previous step's outcome to its own
   (``SpecDecoding.observe``): under overlap scheduling that is what the step occupied,
-  host waits included. The interval after the engine ran out of work is not a sample
+  host waits included. A step without drafts is timed as it would run without
+  speculation, the drafter resting: less the drafter's time after it (never below its
+  device time; a probe's proposals are for the steps after it, and at high load they
+  cost more than the step saves, so that counted they would make the mode look slower
+  than it is). The interval after the engine ran out of work is not a sample
   (``SpecDecoding.idle``), nor one far longer than the step's device time
   (``MAX_GAP_FACTOR``: the process stalled), and neither is the
   first step after a switch between verifying and not (it carries the other mode's

@@ -51,8 +51,9 @@ The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard`
 veto its drafts for a step: it compares the measured tokens per second of steps that
 verified drafts and of steps that did not, per batch size, and probes the mode it does
 not favour at a small bounded rate. ``observe`` feeds it each step's wall time (the
-interval between two outcomes, ``clock``), its device time (a ceiling on the rate without
-drafts) and the tokens the step yielded. The policy's
+interval between two outcomes, ``clock``; for a step without drafts less the drafter's
+time after it, as the step would run with the drafter resting), its device time (a
+ceiling on the rate without drafts) and the tokens the step yielded. The policy's
 budget, asks and explorations count only for steps its choice stands in (not a probe of
 no drafts).
 """
@@ -324,10 +325,13 @@ class SpecDecoding:
             if self.guard is not None and sampling:
                 yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
                 key = self.guard.regime(sampling, not decode)
+                device = timing.forward_s + timing.sample_s
                 if interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4):
+                    if not verified:  # as it would run with the drafter resting
+                        interval = max(device, interval - timing.draft_s)
                     self.guard.record(key, verified > 0, yielded, interval)
                 if not verified:
-                    self.guard.record_device(key, yielded, timing.forward_s + timing.sample_s)
+                    self.guard.record_device(key, yielded, device)
 
     def idle(self) -> None:
         """Nothing is left to run: the wall time until the next outcome measures no step."""

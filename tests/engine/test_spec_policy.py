@@ -563,6 +563,20 @@ def test_guard_needs_no_warm_up_probes_where_drafts_beat_the_ceiling():
     assert spec.counters.budget == sum(n for n, _, _ in steps)
 
 
+def test_guard_times_a_step_without_drafts_as_with_the_drafter_resting():
+    """A step without drafts is a sample of no speculation: the drafter's proposals after it
+    (for the steps after the probe) are no part of it, though never below its device time."""
+    spec = dynamic_spec()
+    req = request("a")
+    plan = StepPlan([ScheduledChunk("a", [1], 5, [], True)])
+    key = spec.guard.regime(1, False)
+    for interval, draft in ((0.0, 0.0), (0.020, 0.005), (0.020, 0.015)):
+        spec.clock.now += interval
+        spec.observe(plan, StepResult({req.request_id: 0},
+                                      timing=StepTiming(0.007, 0.001, draft)))  # fmt: skip
+    assert list(spec.guard._regimes[key].samples[False]) == [(1, 0.015), (1, 0.008)]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_forward_times_in_one_pass_equal_time_of_each(seed):
     rng = random.Random(seed)
