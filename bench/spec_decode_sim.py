@@ -8,12 +8,12 @@ No model and no device: the engine's own ``Scheduler``, ``KVCacheManager`` and
 ``EngineCore.step`` drives them (``SimEngine``: plan and launch, collect the step in
 flight, leave a step without drafts running: overlap scheduling, ``lagged``), against a
 fake runner on a fake clock; ``host_time``, ``observe`` and ``idle`` are fed as the engine
-feeds them. The runner is ``bench.spec_decode_gpu``'s: a model whose greedy token is
-always the same one, and one drafter for every arm proposing ``len(rates)`` drafts (the
-draft at position j kept with probability ``rates[j]`` given the ones before, drawn from
-a hash of the request, its length and j, so that every arm meets the same draws; it
-reports ``rates`` as its confidence; the drafts after the first wrong one are right
-again, as its are).
+feeds them, and the cost model is told of the graphs as ``EngineCore`` tells it on CUDA.
+The runner is ``bench.spec_decode_gpu``'s: a model whose greedy token is always the same
+one, and one drafter for every arm proposing ``len(rates)`` drafts (the draft at position
+j kept with probability ``rates[j]`` given the ones before, drawn from a hash of the
+request, its length and j, so that every arm meets the same draws; it reports ``rates``
+as its confidence; the drafts after the first wrong one are right again, as its are).
 
 Its times (``H200Costs``) are fitted to ``bench/results/spec_decode_h200.json``
 (llama3-8b in bf16, rates 0.8 .. 0.4; the none arm's steps at each concurrency give the
@@ -194,6 +194,7 @@ class SimEngine:
         config = SchedulerConfig(max_num_seqs=self.max_seqs,
                                  max_num_batched_tokens=self.max_tokens)  # fmt: skip
         self.scheduler = Scheduler(config, kv, 4096, self.spec)
+        self.spec.graphs(self.costs.graph_s[-1][0])  # as EngineCore tells it on CUDA
         self.clock = self.spec.clock if isinstance(self.spec.clock, Clock) else Clock()
         self.spec.clock = self.clock
         self.rng = random.Random(self.seed)

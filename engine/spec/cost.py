@@ -17,7 +17,11 @@
 
   * a measured group: its median time (a graph replays the whole bucket, so a step is
     flat inside it), climbing past the group's median tokens along the line to the next
-    measured point of that kind (eager steps inside a group do grow);
+    measured point of that kind (eager steps inside a group do grow) — except where the
+    runner replays CUDA graphs (``graph_rows``: the most rows a graph holds, set through
+    ``SpecDecoding.graphs``): a bucket it holds costs its median throughout, since
+    climbing there along a segment that spans a bucket's jump would price a step of more
+    rows in a measured bucket as a larger bucket, and keep it from ever running;
   * a group never measured below a measured one: the cost of that next larger measured
     group (a forward never costs less for more tokens; the line between the two would
     price a step past a graph's size as if it still replayed one);
@@ -94,6 +98,8 @@ class ForwardTimeEstimator:
         self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
         self._cache: dict[bool, tuple[list[int], list[Point], bool]] | None = None
+        # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
+        self.graph_rows = 0
 
     def add(self, tokens: int, seconds: float, decode: bool = False) -> None:
         key = (decode, graph_size(tokens))
@@ -187,7 +193,7 @@ class ForwardTimeEstimator:
         i = bisect.bisect_left(sizes, size)
         if i < len(sizes) and sizes[i] == size:  # measured: flat, then up to the next point
             t, s = points[i]
-            if tokens <= t:
+            if tokens <= t or (not eager and size <= self.graph_rows):  # a graph's bucket
                 return s
             if i + 1 < len(points):
                 (ta, sa), (tb, sb) = points[i], points[i + 1]
@@ -227,6 +233,7 @@ class ForwardTimeEstimator:
                 out.append(value if value > 0.0 else 0.0)
             return out
         tokens, end = start, start + count
+        graphs = 0 if eager else self.graph_rows
         if eager:  # up to the largest point: along the line between the points around
             last = min(end, math.floor(points[-1][0]))
             i = 0  # the first point at or above n
@@ -241,7 +248,7 @@ class ForwardTimeEstimator:
             tokens = max(tokens, last + 1)
         while tokens <= end:  # one graph size at a time: one piece each
             size = graph_size(tokens)
-            t, s, slope, per_token = _piece(size, sizes, points)
+            t, s, slope, per_token = _piece(size, sizes, points, graphs)
             for n in range(tokens, min(size, end) + 1):
                 value = s + slope * (n - t) if n > t else s
                 out.append(value if per_token * n <= value else per_token * n)
@@ -249,12 +256,16 @@ class ForwardTimeEstimator:
         return out
 
 
-def _piece(size: int, sizes: list[int], points: list[Point]) -> tuple[float, float, float, float]:
+def _piece(
+    size: int, sizes: list[int], points: list[Point], graph_rows: int = 0
+) -> tuple[float, float, float, float]:
     """``ForwardTimeEstimator.time`` inside one graph size, as ``(t, s, slope, per_token)``:
     ``max(s + slope * max(tokens - t, 0), per_token * tokens)``."""
     i = bisect.bisect_left(sizes, size)
     if i < len(sizes) and sizes[i] == size:
         t, s = points[i]
+        if size <= graph_rows:
+            return t, s, 0.0, 0.0
         if i + 1 < len(points):
             (ta, sa), (tb, sb) = points[i], points[i + 1]
         elif i > 0:

@@ -21,7 +21,9 @@ Host time. Under overlap a step without drafts is planned while the one before r
 the host's work per step (planning, launching, folding tokens back) is hidden; after a
 step that verifies drafts the device waits for it once. ``host_time`` takes each step's
 host work from the engine and the policy counts its median against verifying any draft
-(without overlap, against every step: none is hidden).
+(without overlap, against every step: none is hidden). ``graphs`` says up to how many
+rows the runner replays decode steps from CUDA graphs (the cost model prices those flat
+inside a bucket).
 
 Lagged statistics. With overlap the policy sizes the total from the curves the requests
 had at the previous plan and ranks requests by the latest ones — the source report's rule
@@ -336,6 +338,11 @@ class SpecDecoding:
     def idle(self) -> None:
         """Nothing is left to run: the wall time until the next outcome measures no step."""
         self._last_outcome = None
+
+    def graphs(self, rows: int) -> None:
+        """The runner replays decode steps of up to ``rows`` rows from CUDA graphs: the
+        cost model prices a bucket those hold flat (``engine.spec.cost``)."""
+        self.policy.graphs(rows)
 
     def host_time(self, seconds: float) -> None:
         """One engine step's host work (planning, launching, folding the tokens back):

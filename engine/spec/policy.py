@@ -102,6 +102,9 @@ class VerifyPolicy(ABC):
         """The step time the policy expects for ``tokens`` tokens (None: no model)."""
         return None
 
+    def graphs(self, rows: int) -> None:  # noqa: B027
+        """Decode steps of up to ``rows`` rows replay CUDA graphs (flat inside a bucket)."""
+
 
 class FixedPolicy(VerifyPolicy):
     name = "fixed"
@@ -134,6 +137,9 @@ class DynamicPolicy(VerifyPolicy):
 
     def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         return self.cost.time(tokens, decode) if self.cost.ready else None
+
+    def graphs(self, rows: int) -> None:
+        self.cost.forward.graph_rows = rows
 
     def lengths(self, step: VerifyStep) -> list[int]:
         if not self.cost.ready:

@@ -269,6 +269,23 @@ def test_forward_estimator_prices_steps_with_prefill_along_their_measured_line()
     assert est.time(32) == pytest.approx(0.010)  # below every point: the smallest's time
 
 
+def test_forward_estimator_prices_a_graph_bucket_flat_where_graphs_replay():
+    """Decode steps of a bucket the runner replays as a CUDA graph cost the bucket's
+    median throughout; climbing past the median along the segment to the bucket below
+    (which holds a bucket's jump) priced 128 rows as dear as eager ones. Eager groups past
+    the graphs still climb."""
+    est = ForwardTimeEstimator(min_group=3)
+    for rows, seconds in ((64, 0.0056), (80, 0.0069)) * 3:
+        est.add(rows, seconds, decode=True)  # buckets 64 and 128, where only 80 rows ran
+    assert est.time(128, decode=True) == pytest.approx(0.0069 + 48 * 0.0013 / 16)  # no graphs
+    est.graph_rows = 256
+    assert est.time(128, decode=True) == pytest.approx(0.0069)
+    assert est.times(64, 64, decode=True)[-1] == pytest.approx(0.0069)
+    for rows, seconds in ((300, 0.014), (400, 0.016)) * 3:
+        est.add(rows, seconds, decode=True)  # eager, group 512 (median 350 rows)
+    assert est.time(450, decode=True) > est.time(350, decode=True)  # it grows there
+
+
 def test_median_estimator_waits_for_samples_and_ignores_a_spike():
     est = MedianEstimator(window=9, min_samples=5)
     for v in (1.0, 1.1, 0.9, 1.0):
