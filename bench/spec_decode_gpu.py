@@ -125,6 +125,8 @@ def use(core: EngineCore, spec: SpecDecoding, drafter: Drafter | None) -> Engine
         raise RuntimeError("an arm swapped in while requests run")
     core.scheduler.spec = spec
     core.runner.drafter = drafter if spec.enabled else None
+    if core.runner.graphs is not None and core.runner.graphs.captured:
+        spec.graphs(max(core.runner.graphs.sizes))
     return core
 
 

@@ -128,7 +128,8 @@ class EngineCore:
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             if experts is None or experts.dispatcher.capturable:
                 sched = self.config.scheduler
-                self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
+                graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
+                spec.graphs(max(graphs.sizes))
             else:
                 log.info("decode steps run eagerly: the %s cannot be captured",
                          type(experts.dispatcher).__name__)  # fmt: skip

@@ -13,17 +13,29 @@
   step moves nothing and a group follows a regime change within a few steps.
 
   ``time(tokens, decode)`` prices a step from its own kind's points, and never more
-  cheaply than what was measured:
+  cheaply than what was measured. Decode steps (graphs by bucket):
 
   * a measured group: its median time (a graph replays the whole bucket, so a step is
     flat inside it), climbing past the group's median tokens along the line to the next
-    measured point of that kind (eager steps inside a group do grow);
+    measured point of that kind (eager steps inside a group do grow) — except where the
+    runner replays CUDA graphs (``graph_rows``: the most rows a graph holds, set through
+    ``SpecDecoding.graphs``): a bucket it holds costs its median throughout, since
+    climbing there along a segment that spans a bucket's jump would price a step of more
+    rows in a measured bucket as a larger bucket, and keep it from ever running;
   * a group never measured below a measured one: the cost of that next larger measured
     group (a forward never costs less for more tokens; the line between the two would
     price a step past a graph's size as if it still replayed one);
   * past the largest measured point: that point's time per token times the tokens (as if
     the forward had no headroom left), or the line along the last two points where that
     climbs faster; steps there are unknown, not cheap.
+
+  Steps with prefill run eagerly, their cost growing with every token, no bucket: up to
+  the largest measured point they are priced along the line between the measured points
+  on either side (below the smallest, its time), through the points' running maximum
+  (never less for more tokens); past it, as a decode step past its largest point. Priced
+  flat inside a group, a draft added to a step with prefill would look free wherever the
+  step's tokens are below its group's median (a long prefill at high load, whose drafts
+  then cost a whole step's host wait for a few tokens).
 
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
@@ -37,6 +49,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import deque
 
@@ -84,7 +97,9 @@ class ForwardTimeEstimator:
         self.min_group = min_group
         self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
-        self._cache: dict[bool, tuple[list[int], list[Point]]] | None = None
+        self._cache: dict[bool, tuple[list[int], list[Point], bool]] | None = None
+        # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
+        self.graph_rows = 0
 
     def add(self, tokens: int, seconds: float, decode: bool = False) -> None:
         key = (decode, graph_size(tokens))
@@ -104,16 +119,20 @@ class ForwardTimeEstimator:
             self._points = points
         return self._points
 
-    def _priced(self, decode: bool) -> tuple[list[int], list[Point]]:
-        """The sizes and points a step of this kind is priced from (cached until a sample
-        arrives: ``time`` runs once per candidate total each step)."""
+    def _priced(self, decode: bool) -> tuple[list[int], list[Point], bool]:
+        """The sizes and points a step of this kind is priced from, and whether they are
+        eager steps' (with prefill: their running maximum), cached until a sample arrives
+        (``time`` runs once per candidate total each step)."""
         if self._cache is None:
             self._cache = {}
         cached = self._cache.get(decode)
         if cached is None:
             kinds = self._kind_points()
-            mine = kinds[decode] or kinds[not decode]
-            cached = self._cache[decode] = ([size for size, _ in mine], [p for _, p in mine])
+            kind = decode if kinds[decode] else not decode
+            points = [p for _, p in kinds[kind]]
+            if not kind:
+                points = _running_max(points)
+            cached = self._cache[decode] = ([size for size, _ in kinds[kind]], points, not kind)
         return cached
 
     def points(self, decode: bool) -> list[Point]:
@@ -165,14 +184,16 @@ class ForwardTimeEstimator:
         """Seconds for a forward of ``tokens`` tokens of this kind (module docstring)."""
         if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
-        sizes, points = self._priced(decode)
+        sizes, points, eager = self._priced(decode)
         if optimistic:
             return _local_line(points, tokens)
+        if eager and tokens <= points[-1][0]:
+            return _eager(points, tokens)
         size = graph_size(tokens)
         i = bisect.bisect_left(sizes, size)
         if i < len(sizes) and sizes[i] == size:  # measured: flat, then up to the next point
             t, s = points[i]
-            if tokens <= t:
+            if tokens <= t or (not eager and size <= self.graph_rows):  # a graph's bucket
                 return s
             if i + 1 < len(points):
                 (ta, sa), (tb, sb) = points[i], points[i + 1]
@@ -194,7 +215,7 @@ class ForwardTimeEstimator:
         total of a step: at 256 requests of 5 drafts, 1281 of them)."""
         if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
-        sizes, points = self._priced(decode)
+        sizes, points, eager = self._priced(decode)
         out: list[float] = []
         if optimistic:
             if len(points) == 1:
@@ -212,9 +233,22 @@ class ForwardTimeEstimator:
                 out.append(value if value > 0.0 else 0.0)
             return out
         tokens, end = start, start + count
+        graphs = 0 if eager else self.graph_rows
+        if eager:  # up to the largest point: along the line between the points around
+            last = min(end, math.floor(points[-1][0]))
+            i = 0  # the first point at or above n
+            for n in range(tokens, last + 1):
+                while points[i][0] < n:
+                    i += 1
+                if i == 0:
+                    out.append(points[0][1])
+                else:
+                    (t1, s1), (t2, s2) = points[i - 1], points[i]
+                    out.append(s1 + (s2 - s1) * (n - t1) / (t2 - t1))
+            tokens = max(tokens, last + 1)
         while tokens <= end:  # one graph size at a time: one piece each
             size = graph_size(tokens)
-            t, s, slope, per_token = _piece(size, sizes, points)
+            t, s, slope, per_token = _piece(size, sizes, points, graphs)
             for n in range(tokens, min(size, end) + 1):
                 value = s + slope * (n - t) if n > t else s
                 out.append(value if per_token * n <= value else per_token * n)
@@ -222,12 +256,16 @@ class ForwardTimeEstimator:
         return out
 
 
-def _piece(size: int, sizes: list[int], points: list[Point]) -> tuple[float, float, float, float]:
+def _piece(
+    size: int, sizes: list[int], points: list[Point], graph_rows: int = 0
+) -> tuple[float, float, float, float]:
     """``ForwardTimeEstimator.time`` inside one graph size, as ``(t, s, slope, per_token)``:
     ``max(s + slope * max(tokens - t, 0), per_token * tokens)``."""
     i = bisect.bisect_left(sizes, size)
     if i < len(sizes) and sizes[i] == size:
         t, s = points[i]
+        if size <= graph_rows:
+            return t, s, 0.0, 0.0
         if i + 1 < len(points):
             (ta, sa), (tb, sb) = points[i], points[i + 1]
         elif i > 0:
@@ -243,6 +281,23 @@ def _piece(size: int, sizes: list[int], points: list[Point]) -> tuple[float, flo
         return t, s, 0.0, per_token
     (t1, s1), (t2, s2) = points[-2], points[-1]
     return t1, s1, max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1 else 0.0, per_token
+
+
+def _running_max(points: list[Point]) -> list[Point]:
+    """The points with each time raised to the largest before it."""
+    out, top = [], 0.0
+    for t, s in points:
+        top = max(top, s)
+        out.append((t, top))
+    return out
+
+
+def _eager(points: list[Point], tokens: int) -> float:
+    """An eager step's price up to the largest point: the line between the points on
+    either side of ``tokens``, the smallest point's time below it."""
+    if tokens <= points[0][0]:
+        return points[0][1]
+    return _local_line(points, tokens)
 
 
 def _local_line(points: list[Point], tokens: int) -> float:

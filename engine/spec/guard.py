@@ -9,7 +9,11 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
 - A step's *realized rate* is the tokens it yielded (one per sampling chunk plus the drafts
   kept) over the wall time from the previous step's outcome to its own
   (``SpecDecoding.observe``): under overlap scheduling that is what the step occupied,
-  host waits included. The interval after the engine ran out of work is not a sample
+  host waits included. A step without drafts is timed as it would run without
+  speculation, the drafter resting: less the drafter's time after it (never below its
+  device time; a probe's proposals are for the steps after it, and at high load they
+  cost more than the step saves, so that counted they would make the mode look slower
+  than it is). The interval after the engine ran out of work is not a sample
   (``SpecDecoding.idle``), nor one far longer than the step's device time
   (``MAX_GAP_FACTOR``: the process stalled), and neither is the
   first step after a switch between verifying and not (it carries the other mode's
@@ -20,13 +24,20 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   whose rate is their tokens over their seconds.
 - The decision, per regime: once both modes have ``GUARD_MIN_SAMPLES``, speculation is
   allowed iff its rate is at least the other's; before that the policy decides alone.
+- A *ceiling* on the rate without drafts: every step without drafts (a switch too, or one
+  after the engine idled) gives its tokens and its device time (``record_device``); a
+  step's wall time is never below its device time, so those tokens over those seconds
+  are the most that mode can reach in the regime. Speculation measured ``DECISIVE_RATIO``
+  above the ceiling is ahead without a sample of the other mode.
 - Probes keep both measured: every ``PROBE_EVERY`` steps of a regime (every
   ``WARM_PROBE_EVERY`` while a mode lacks samples; ``DECISIVE_SPACING`` times rarer while
   one mode is ahead by ``DECISIVE_RATIO``, where a probe costs the most and tells the
-  least) the mode not favoured runs for ``PROBE_STEPS`` steps (the first of which, a
-  switch, is not a sample): no drafts while speculation is favoured, the policy's choice
-  while it is not. So at most ``PROBE_STEPS / WARM_PROBE_EVERY`` of the steps are probes
-  while a regime warms up and ``PROBE_STEPS / PROBE_EVERY`` after.
+  least — speculation ahead of the ceiling counts, samples or not) the mode not favoured
+  runs for ``PROBE_STEPS`` steps (the first of which, a switch, is not a sample): no
+  drafts while speculation is favoured, the policy's choice while it is not. So at most
+  ``PROBE_STEPS / WARM_PROBE_EVERY`` of the steps are probes while a regime warms up and
+  ``PROBE_STEPS / PROBE_EVERY`` after; where drafts win by far (small batches), a regime
+  warms up with no probe.
 - While speculation is favoured, the guard is asked (``allow``) only about steps the
   policy verifies drafts in: a step it verifies none in runs without drafts anyway (a
   sample of that mode, no probe needed), so it neither counts towards a probe nor is one;
@@ -64,6 +75,7 @@ class _Regime:
     probe_left: int = 0
     probe_mode: bool = False
     due: bool = False  # a probe fell due on a step the guard was not asked about (``tick``)
+    device: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=GUARD_WINDOW))
 
 
 class RealizedGainGuard:
@@ -94,6 +106,15 @@ class RealizedGainGuard:
         seconds = sum(s for _, s in r.samples[speculated])
         return tokens / seconds if seconds > 0 else None
 
+    def ceiling(self, key: tuple[int, bool]) -> float | None:
+        """The most tokens per second steps without drafts can reach in a regime: their
+        tokens over their device time (None: no such step yet)."""
+        r = self._regimes.get(key)
+        if r is None or not r.device:
+            return None
+        seconds = sum(s for _, s in r.device)
+        return sum(t for t, _ in r.device) / seconds if seconds > 0 else None
+
     def favours(self, key: tuple[int, bool]) -> bool:
         """Whether speculation is allowed outside probes (True until both modes are
         measured)."""
@@ -121,6 +142,10 @@ class RealizedGainGuard:
 
     def _every(self, key: tuple[int, bool]) -> int:
         spec, plain = self.rate(key, True), self.rate(key, False)
+        if spec is not None and plain is None:
+            ceiling = self.ceiling(key)
+            if ceiling is not None and spec >= DECISIVE_RATIO * ceiling:
+                return PROBE_EVERY * DECISIVE_SPACING  # ahead of the best no drafts can do
         if spec is None or plain is None:
             return WARM_PROBE_EVERY
         if max(spec, plain) >= DECISIVE_RATIO * min(spec, plain):
@@ -147,3 +172,9 @@ class RealizedGainGuard:
         if switched or seconds <= 0:
             return
         self._get(key).samples[speculated].append((tokens, seconds))
+
+    def record_device(self, key: tuple[int, bool], tokens: int, seconds: float) -> None:
+        """A step of this regime without drafts yielded ``tokens`` in ``seconds`` of
+        device time (``ceiling``)."""
+        if seconds > 0:
+            self._get(key).device.append((tokens, seconds))

@@ -20,7 +20,10 @@ it must know how many were kept to place its tokens.
 Host time. Under overlap a step without drafts is planned while the one before runs, so
 the host's work per step (planning, launching, folding tokens back) is hidden; after a
 step that verifies drafts the device waits for it once. ``host_time`` takes each step's
-host work from the engine and the policy counts its median against verifying any draft.
+host work from the engine and the policy counts its median against verifying any draft
+(without overlap, against every step: none is hidden). ``graphs`` says up to how many
+rows the runner replays decode steps from CUDA graphs (the cost model prices those flat
+inside a bucket).
 
 Lagged statistics. With overlap the policy sizes the total from the curves the requests
 had at the previous plan and ranks requests by the latest ones — the source report's rule
@@ -28,21 +31,33 @@ had at the previous plan and ranks requests by the latest ones — the source re
 confidence never decides whether an earlier draft is verified. Without overlap both are
 the latest.
 
-Rest. A step that verifies no draft (the dynamic policy's choice, or the guard's veto)
-lets the drafter rest for ``QUIET_STEPS`` (32) steps of the same regime (batch graph size,
-prefill or not; a step of another regime ends it): the plans say so (``proposes``,
-``StepPlan.propose``), the runner asks the drafter for no proposals after them, so those
-steps cost what a step without speculation costs — no drafts proposed, none looked up,
-no policy pricing 256 requests' curves. Then it proposes again and the policy is asked
-again (under overlap the plan after waits one step more for those proposals, instead of
-proposing a second time); the guard ends a rest early when its probe of the policy's
-drafts is due.
+Rest. A step that verifies no draft by a verdict — the dynamic policy's choice on a
+measured step size (``DynamicPolicy.sure``; not while its cost model seeds, nor where the
+step's own size never ran), or the guard's veto — lets the drafter rest for
+``rest_steps`` steps of the same regime (batch graph size, prefill or not): none after
+the first such verdict in a row, then 2, 4, .. up to ``QUIET_STEPS`` (128) as it repeats;
+a step whose drafts the policy chose and the guard let run starts the count again. So
+one noisy choice at small batch costs a step, not a rest, and at high load, where the
+verdict never changes, the policy is asked about once every 128 steps. A step of another
+regime ends the rest, unless that regime's own latest verdicts were no drafts too (the
+steps with prefill between decode steps at high load): then it rests as well. The plans
+say so (``proposes``, ``StepPlan.propose``), the runner asks the drafter for no proposals
+after them, so those steps cost what a step without speculation costs — no drafts
+proposed, none looked up, no policy pricing 256 requests' curves (under overlap the plan
+right after the verdict still holds drafts proposed before it: it rests too, unpriced).
+Then it proposes again and the policy is asked again (under overlap the plan after waits
+one step more for those proposals, instead of proposing a second time); the guard ends a
+rest early when its probe of the policy's drafts is due.
 
 The guard. With the dynamic policy a ``RealizedGainGuard`` (``engine.spec.guard``) may
 veto its drafts for a step: it compares the measured tokens per second of steps that
 verified drafts and of steps that did not, per batch size, and probes the mode it does
 not favour at a small bounded rate. ``observe`` feeds it each step's wall time (the
-interval between two outcomes, ``clock``) and the tokens the step yielded.
+interval between two outcomes, ``clock``; for a step without drafts less the drafter's
+time after it, as the step would run with the drafter resting), its device time (a
+ceiling on the rate without drafts) and the tokens the step yielded. The policy's
+budget, asks and explorations count only for steps its choice stands in (not a probe of
+no drafts).
 """
 
 from __future__ import annotations
@@ -59,7 +74,14 @@ from engine.spec.cost import MedianEstimator
 from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
 
-QUIET_STEPS = 32  # steps of a regime the drafter rests after a step that verified none
+QUIET_STEPS = 128  # the longest rest: steps of a regime the drafter rests (``rest_steps``)
+
+
+def rest_steps(zeros: int) -> int:
+    """Steps the drafter rests after the ``zeros``-th step in a row of a regime that
+    verified no draft: none after the first (one choice, maybe a noisy one), then 2, 4,
+    .. up to ``QUIET_STEPS`` as the verdict repeats."""
+    return 0 if zeros <= 1 else min(QUIET_STEPS, 2 ** (zeros - 1))
 
 
 @dataclass(frozen=True)
@@ -85,7 +107,7 @@ class SpecCounters:
     time_us: int = 0  # measured step time of the steps the cost model predicted
     time_error_us: int = 0  # sum of |predicted - measured|
     budget: int = 0  # drafts the policy chose, summed over the steps it was asked
-    asked: int = 0  # steps the policy was asked (candidates there)
+    asked: int = 0  # steps the policy was asked and its choice stood (no no-draft probe)
     guard_blocked: int = 0  # steps the guard ran without drafts, not probing
     guard_probes: int = 0  # probe steps (either mode)
     explored: int = 0  # steps the policy verified a total of a size never measured
@@ -119,6 +141,9 @@ class SpecDecoding:
         # only be those (older ones guess tokens that are known by now)
         self.fresh = True
         self._quiet_key: tuple[int, bool] | None = None
+        # per regime: the steps in a row that verified no draft, by the policy's or the
+        # guard's verdict (since the policy's drafts last ran there)
+        self._zeros: dict[tuple[int, bool], int] = {}
         self._resumed = False  # the rest ended at the latest plan (lagged: one more waits)
         self._holding = False  # the plan being made waits for the proposals of the last one
         k = self.max_draft
@@ -146,32 +171,36 @@ class SpecDecoding:
         decode: bool | None = None, limit: int | None = None,
     ) -> list[int]:
         """Drafts each candidate verifies this step (the policy's choice, unless the guard
-        vetoes it). ``decode``: every chunk of the step is one token (default: as many
-        tokens as sampling chunks); ``limit``: most drafts in all (the token budget left)."""
-        if decode is None:
-            decode = base_tokens == base_yield
+        vetoes it; none while the drafter rests). ``decode``: every chunk of the step is
+        one token (default: as many tokens as sampling chunks); ``limit``: most drafts in
+        all (the token budget left)."""
+        decode = VerifyStep.is_decode(base_tokens, base_yield, decode)
         key = RealizedGainGuard.regime(base_yield, not decode)
         self._holding = False
-        if not candidates:
+        if not candidates or (self._quiet > 0 and self._rests_in(key)):
+            # resting (lagged, the plan after the one that began the rest still holds
+            # the drafts proposed before it: unpriced, they rest too)
             self._quiet_step(key)
-            return []
+            return [0] * len(candidates)
         self._resumed = False
+        self._quiet = 0  # a rest of a regime whose drafts paid lately: asked again
         guard = self.guard
         if guard is None or guard.favours(key):
             # the policy first: a step it verifies no draft in is the guard's concern only
             # as a sample (no probe is needed to run a step without drafts)
-            explored = self.counters.explored
-            lengths = self._ask(candidates, base_tokens, base_yield, decode, limit)
-            if guard is not None and any(lengths) and not self._allow(key):
-                self.counters.budget -= sum(lengths)  # a probe without drafts: not asked
-                self.counters.asked -= 1
-                self.counters.explored = explored
-                lengths = [0] * len(candidates)
-            elif not any(lengths):
-                self._go_quiet(key)
+            lengths, explored = self._ask(candidates, base_tokens, base_yield, decode, limit)
+            if not any(lengths):
+                self._go_quiet(key, getattr(self.policy, "sure", True))
+            elif guard is not None and not self._allow(key):
+                return [0] * len(candidates)  # a probe without drafts: the policy not asked
+            else:
+                self._zeros.pop(key, None)  # drafts pay here: the next zero rests no step
+            self._count(lengths, explored)
             return lengths
         if self._allow(key):  # a probe of the policy's drafts
-            return self._ask(candidates, base_tokens, base_yield, decode, limit)
+            lengths, explored = self._ask(candidates, base_tokens, base_yield, decode, limit)
+            self._count(lengths, explored)
+            return lengths
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
         self._go_quiet(key)
@@ -186,13 +215,23 @@ class SpecDecoding:
         self.counters.guard_blocked += guard.blocked - blocked
         return allowed
 
-    def _go_quiet(self, key: tuple[int, bool]) -> None:
+    def _go_quiet(self, key: tuple[int, bool], verdict: bool = True) -> None:
         """This step verifies no draft, by the policy's choice or the guard's: the drafter
-        rests for ``QUIET_STEPS`` steps of the same regime (``proposes``)."""
-        cost = getattr(self.policy, "cost", None)
-        if cost is not None and not cost.ready:
-            return  # seeding its cost model: every other step verifies all
-        self._quiet, self._quiet_key = QUIET_STEPS, key
+        rests for ``rest_steps`` steps of the same regime (``proposes``). ``verdict``
+        False: the policy's guess (its cost model seeding, or the step's size unmeasured),
+        which neither rests nor counts."""
+        if not verdict:
+            return
+        zeros = self._zeros[key] = self._zeros.get(key, 0) + 1
+        rest = rest_steps(zeros)
+        if rest:
+            self._quiet, self._quiet_key = rest, key
+
+    def _rests_in(self, key: tuple[int, bool]) -> bool:
+        """Whether the drafter's rest holds for a step of this regime: the regime it
+        began in, or one whose latest verdicts were no drafts too (it would rest itself:
+        at high load the steps with prefill between decode steps end no rest)."""
+        return key == self._quiet_key or rest_steps(self._zeros.get(key, 0)) > 0
 
     def _quiet_step(self, key: tuple[int, bool]) -> None:
         """A step planned without candidates: count down the drafter's rest."""
@@ -200,10 +239,10 @@ class SpecDecoding:
             if self._resumed:  # lagged: the proposals after the step that ended the rest
                 self._resumed, self._holding = False, True  # come with the next plan
             return
-        if key != self._quiet_key:
+        if not self._rests_in(key):
             self._quiet = 0  # another batch, another answer: ask again
             return
-        self._quiet -= 1
+        self._quiet -= 1  # (or one that verified none lately either: it rests too)
         if self.guard is not None and self.guard.tick(key):
             self._quiet = 0  # the guard's probe is due: it needs drafts
         self._resumed = self._quiet == 0 and self.lagged
@@ -218,8 +257,9 @@ class SpecDecoding:
     def _ask(
         self, candidates: Sequence[Candidate], base_tokens: int, base_yield: int,
         decode: bool, limit: int | None,
-    ) -> list[int]:  # fmt: skip
-        """The policy's lengths for the candidates."""
+    ) -> tuple[list[int], int]:  # fmt: skip
+        """The policy's lengths for the candidates, and how many explorations it counted
+        for them."""
         curves = [c.curve for c in candidates]
         budget_curves = curves
         if self.lagged:
@@ -229,14 +269,19 @@ class SpecDecoding:
             ]
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
-        exposed = self.host.value() if self.lagged else 0.0
-        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit)
+        host = self.host.value()  # under overlap only a step with drafts waits for it
+        exposed, every = (host, 0.0) if self.lagged else (0.0, host)
+        step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit,
+                          every)  # fmt: skip
         explored = getattr(self.policy, "explored", 0)
         lengths = self.policy.lengths(step)
-        self.counters.explored += getattr(self.policy, "explored", 0) - explored
+        return lengths, getattr(self.policy, "explored", 0) - explored
+
+    def _count(self, lengths: list[int], explored: int) -> None:
+        """The policy's choice stands for this step: its budget and explorations count."""
         self.counters.asked += 1
         self.counters.budget += sum(lengths)
-        return lengths
+        self.counters.explored += explored
 
     def verifying(self, request_id: str, curve: list[float]) -> None:
         """The step being planned verifies drafts of ``request_id`` with these survivals."""
@@ -279,19 +324,30 @@ class SpecDecoding:
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
                                 timing.draft_s, decode)  # fmt: skip
             sampling = sum(c.sample for c in plan.chunks)
-            if (self.guard is not None and sampling and interval is not None
-                    and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)):  # fmt: skip
+            if self.guard is not None and sampling:
                 yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
                 key = self.guard.regime(sampling, not decode)
-                self.guard.record(key, verified > 0, yielded, interval)
+                device = timing.forward_s + timing.sample_s
+                if interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4):
+                    if not verified:  # as it would run with the drafter resting
+                        interval = max(device, interval - timing.draft_s)
+                    self.guard.record(key, verified > 0, yielded, interval)
+                if not verified:
+                    self.guard.record_device(key, yielded, device)
 
     def idle(self) -> None:
         """Nothing is left to run: the wall time until the next outcome measures no step."""
         self._last_outcome = None
 
+    def graphs(self, rows: int) -> None:
+        """The runner replays decode steps of up to ``rows`` rows from CUDA graphs: the
+        cost model prices a bucket those hold flat (``engine.spec.cost``)."""
+        self.policy.graphs(rows)
+
     def host_time(self, seconds: float) -> None:
         """One engine step's host work (planning, launching, folding the tokens back):
-        under overlap, what a step that verifies drafts leaves the device waiting for."""
+        under overlap, what a step that verifies drafts leaves the device waiting for
+        (without overlap, what every step waits for)."""
         self.host.add(seconds)
 
     def forget(self, request_id: str) -> None:

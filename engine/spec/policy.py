@@ -16,12 +16,23 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   count this is the best allocation there is: for each total, the largest ``P`` values
   are the most expected tokens, and a request's curve never rises, so they form a prefix
   of each request's drafts; every total is tried, up to the token budget the step's
-  prefill chunks leave (``VerifyStep.limit``). Under overlap scheduling a step that
-  verifies any draft also costs ``exposed_host_s``: the next step cannot be planned until
-  its tokens are known, so the device waits for the host once (``SpecDecoding`` measures
-  it). Until the cost model has samples of
-  two step sizes it verifies every draft in one step and none in the next, so that it
-  sees both sizes (prefill steps, whose tokens count, help too).
+  prefill chunks leave (``VerifyStep.limit``). A step with prefill is no cycle of its
+  own: its prefill runs whatever is verified, so its rate says nothing of what drafts in
+  it are worth (added to a long prefill, drafts raise its rate while adding tokens more
+  slowly than a decode step yields them). There ``best_gain`` chooses the total: the
+  most expected kept drafts beyond what the time they add yields at the rate of a decode
+  step of the batch without drafts. A step's time is its forward's and its sampling's;
+  one that verifies any draft also pays the drafter's proposals for the next step (a
+  step without drafts lets the drafter rest: counted there, drafting would make no
+  speculation look dearer than it is, and at high load drafts pay where they do not)
+  and, under overlap scheduling, ``exposed_host_s``: the next step cannot be planned
+  until its tokens are known, so the device waits for the host once (``SpecDecoding``
+  measures it; without overlap every step waits for it, ``host_s``). Until the cost
+  model has samples of two step sizes it verifies every draft in one step and none in
+  the next, so that it sees both sizes (prefill steps, whose tokens count, help too). A
+  choice of no drafts explores at once (below), and is a verdict (``sure``) only where
+  the step's own size was measured: the drafter rests after verdicts only
+  (``SpecDecoding``).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
@@ -29,10 +40,13 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   larger measured one costs, or past every measured size as much per token as the
   largest. So an unmeasured size is *explored*: when the optimistic price (the line
   through the neighbouring sizes) says a total in the first unmeasured size above the
-  step's pays more than the measured choice, that total is verified once every
-  ``EXPLORE_EVERY`` steps until its size has samples; then its measured cost decides, and
-  the next size up may be explored. Sizes are explored one at a time, upwards, so an
-  exploration costs at most one graph size more than what is known.
+  measured choice's size pays more than that choice, that total is verified once every
+  ``EXPLORE_EVERY`` steps (at once where the choice is no drafts: exploring then risks
+  least) until its size has samples; then its measured cost decides, and
+  the next size up may be explored. Sizes are explored one at a time, upwards from the
+  choice (an unmeasured size between measured ones too: priced as the larger one, it
+  would otherwise never be tried), so an exploration costs at most one graph size more
+  than what is known.
 """
 
 from __future__ import annotations
@@ -55,10 +69,17 @@ class VerifyStep:
     exposed_host_s: float = 0.0  # device idle time a step with drafts adds (overlap lost)
     decode: bool | None = None  # every chunk one token (+ drafts); None: base_tokens == base_yield
     limit: int | None = None  # most drafts in all: the token budget left after the chunks
+    host_s: float = 0.0  # host work every step waits for (without overlap: none is hidden)
+
+    @staticmethod
+    def is_decode(base_tokens: int, base_yield: int, decode: bool | None = None) -> bool:
+        """Whether a step is every chunk one token plus drafts: ``decode`` where given,
+        else whether it runs as many tokens as it samples."""
+        return base_tokens == base_yield if decode is None else decode
 
     @property
     def decode_only(self) -> bool:
-        return self.base_tokens == self.base_yield if self.decode is None else self.decode
+        return self.is_decode(self.base_tokens, self.base_yield, self.decode)
 
 
 class VerifyPolicy(ABC):
@@ -81,6 +102,9 @@ class VerifyPolicy(ABC):
         """The step time the policy expects for ``tokens`` tokens (None: no model)."""
         return None
 
+    def graphs(self, rows: int) -> None:  # noqa: B027
+        """Decode steps of up to ``rows`` rows replay CUDA graphs (flat inside a bucket)."""
+
 
 class FixedPolicy(VerifyPolicy):
     name = "fixed"
@@ -89,7 +113,8 @@ class FixedPolicy(VerifyPolicy):
         return [len(c) for c in step.curves]
 
 
-EXPLORE_EVERY = 8  # steps between two explorations of a step size never measured
+EXPLORE_EVERY = 4  # steps between two explorations of a step size never measured (a size
+# needs 3 samples: 12 steps)
 
 
 class DynamicPolicy(VerifyPolicy):
@@ -100,6 +125,9 @@ class DynamicPolicy(VerifyPolicy):
         self._explore = False
         self._since_explore = EXPLORE_EVERY
         self.explored = 0  # steps that verified a total in a size never measured
+        # whether the latest choice, where it was no drafts, is a verdict: the cost model
+        # ready and the step's own size measured (else a guess, SpecDecoding rests not)
+        self.sure = True
 
     def observe(
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
@@ -110,32 +138,54 @@ class DynamicPolicy(VerifyPolicy):
     def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         return self.cost.time(tokens, decode) if self.cost.ready else None
 
+    def graphs(self, rows: int) -> None:
+        self.cost.forward.graph_rows = rows
+
     def lengths(self, step: VerifyStep) -> list[int]:
         if not self.cost.ready:
+            self.sure = False
             self._explore = not self._explore
             return [0 if self._explore else len(c) for c in step.curves]
         decode = step.decode_only
         forward = self.cost.forward
-        fixed = self.cost.sampler.value() + self.cost.drafter.value()  # once: medians
+        # once, medians: sampling every step pays; drafting (the proposals for the next
+        # step) only one that speculates: without drafts the drafter rests
+        fixed = self.cost.sampler.value() + step.host_s
+        drafting = self.cost.drafter.value() + step.exposed_host_s
         drafts = sum(len(c) for c in step.budget_curves)
         if step.limit is not None:
             drafts = min(drafts, max(step.limit, 0))
 
         def pricer(optimistic: bool) -> Callable[[int], float]:
             table = forward.times(step.base_tokens, drafts, decode, optimistic)
-            return lambda n: table[n] + fixed + (step.exposed_host_s if n else 0.0)
+            return lambda n: table[n] + fixed + (drafting if n else 0.0)
 
-        total = best_total(step.budget_curves, step.base_yield, pricer(False), step.limit)
+        if decode:
+            def choose(time: Callable[[int], float], limit: int | None) -> int:
+                return best_total(step.budget_curves, step.base_yield, time, limit)
+        else:  # the step's prefill runs anyway: drafts must pay as decode steps would
+            rate = step.base_yield / (forward.time(step.base_yield, True) + fixed)
+
+            def choose(time: Callable[[int], float], limit: int | None) -> int:
+                return best_gain(step.budget_curves, rate, time, limit)
+
+        total = choose(pricer(False), step.limit)
         self._since_explore += 1
-        if self._since_explore >= EXPLORE_EVERY:
-            self._since_explore = 0
-            # one size past the measured ones at a time: the first unmeasured size's top
-            frontier = forward.frontier(step.base_tokens, decode) - step.base_tokens
+        due = self._since_explore >= EXPLORE_EVERY
+        if due or not total:  # a choice of no drafts explores at once: it risks least
+            if due:
+                self._since_explore = 0
+            # one size past the measured ones at a time: the top of the first unmeasured
+            # size above the measured choice (a size below it is no help: fewer drafts)
+            frontier = forward.frontier(step.base_tokens + total, decode) - step.base_tokens
             cap = frontier if step.limit is None else min(step.limit, frontier)
-            hope = best_total(step.budget_curves, step.base_yield, pricer(True), cap)
+            hope = choose(pricer(True), cap)
             if hope > total and not forward.measured(step.base_tokens + hope, decode):
                 total = hope
                 self.explored += 1
+                self._since_explore = 0
+        # no drafts is a verdict only where the step's own size was measured
+        self.sure = bool(total) or forward.measured(step.base_tokens, decode)
         return allocate(step.curves, total)
 
 
@@ -156,6 +206,28 @@ def best_total(
         rate = expected / time(n)
         if rate > best_rate:
             best_n, best_rate = n, rate
+    return best_n
+
+
+def best_gain(
+    curves: Sequence[Sequence[float]], rate: float, time: Callable[[int], float],
+    limit: int | None = None,
+) -> int:
+    """How many drafts to verify in all in a step whose own tokens run anyway (prefill):
+    the count ``n`` whose expected kept drafts (the ``n`` largest P) exceed most what
+    the time they add, ``time(n) - time(0)``, yields at ``rate`` tokens per second (what
+    the engine gets without them), trying every ``n`` from 0 to all, or to ``limit``
+    (the first best wins ties)."""
+    values = sorted((p for curve in curves for p in curve), reverse=True)
+    if limit is not None:
+        values = values[: max(limit, 0)]
+    base = time(0)
+    gain, best_n, best = 0.0, 0, 0.0
+    for n, p in enumerate(values, start=1):
+        gain += p
+        value = gain - rate * (time(n) - base)
+        if value > best:
+            best_n, best = n, value
     return best_n
 
 

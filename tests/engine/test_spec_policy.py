@@ -20,10 +20,18 @@ from engine.plan import ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.spec import guard
 from engine.spec.base import Proposal
 from engine.spec.cost import ForwardTimeEstimator, MedianEstimator, StepCostModel, graph_size
 from engine.spec.manager import Candidate, SpecDecoding
-from engine.spec.policy import DynamicPolicy, FixedPolicy, VerifyStep, allocate, best_total
+from engine.spec.policy import (
+    DynamicPolicy,
+    FixedPolicy,
+    VerifyStep,
+    allocate,
+    best_gain,
+    best_total,
+)
 
 
 def survival(confidences: list[float]) -> list[float]:
@@ -142,6 +150,39 @@ def test_host_time_is_measured_and_counted_only_under_overlap():
         assert spec.lengths([candidate], 1, 1) == ([0] if overlap else [1])
 
 
+def test_dynamic_charges_drafting_only_to_steps_with_drafts():
+    """The drafter's proposals are for the next step: a step without drafts lets it rest.
+    Counted in every step, 4 ms of drafting made a 20% draft on a 10 ms step look worth
+    verifying."""
+    policy = DynamicPolicy()
+    for tokens in (1, 1, 1, 2, 2, 2):
+        policy.observe(tokens, 0.010 + 0.0001 * tokens, 0.0, 0.004)
+    step = VerifyStep([[0.2]], [[0.2]], 1, 1)
+    assert policy.lengths(step) == [0]  # 1.2 tokens in 14.1 ms against 1 in 10.1 ms
+    assert policy.lengths(VerifyStep([[0.5]], [[0.5]], 1, 1)) == [1]  # 1.5 in 14.1 ms
+
+
+def test_dynamic_verifies_drafts_in_a_prefill_step_only_where_they_beat_decode_steps():
+    """A step with a long prefill yields few tokens for its time whatever it verifies: its
+    drafts must add tokens faster than a decode step of the batch yields them, not merely
+    raise the step's own rate."""
+    policy = DynamicPolicy()
+    for _ in range(3):
+        policy.observe(64, 0.0057, 0.0, 0.0, decode=True)
+        policy.observe(128, 0.0070, 0.0, 0.0, decode=True)
+        policy.observe(256, 0.010, 0.0, 0.0)
+        policy.observe(1024, 0.030, 0.0, 0.0)  # eager: ~26 us a token
+    curves = [survival([0.8, 0.7])] * 64
+    step = VerifyStep(curves, curves, 664, 64, exposed_host_s=0.006, decode=False)
+    # 128 drafts: +3.3 ms forward, +6 ms host, ~87 tokens: 9.4 a ms against 11 a ms of a
+    # decode step, though they would lift this step's own rate from 3.1 to 5 a ms
+    assert best_total(curves, 64, lambda n: 0.0206 + (0.0093 * n / 128 if n else 0)) > 0
+    assert sum(policy.lengths(step)) == 0
+    cheap = VerifyStep(curves, curves, 664, 64, exposed_host_s=0.001, decode=False)
+    assert sum(policy.lengths(cheap)) == 128  # +4.3 ms for 87 tokens: 20 a ms
+    assert best_gain(curves, 11.0, lambda n: 0.0043 * n / 128) == 128
+
+
 def test_forward_estimator_recovers_baseline_and_slope_through_outliers():
     est = ForwardTimeEstimator()
     rng = random.Random(0)
@@ -213,6 +254,36 @@ def test_forward_estimator_follows_a_regime_change_within_its_window():
     for _ in range(5):
         est.add(64, 0.020)  # the machine got slower at 64 (another tenant, a bigger KV)
     assert est.time(64) == pytest.approx(0.020)
+
+
+def test_forward_estimator_prices_steps_with_prefill_along_their_measured_line():
+    """An eager step's cost grows with every token: inside a group, below its median, it
+    is priced along the line between the points on either side, not flat at the median
+    (which made drafts added to a long prefill look free)."""
+    est = ForwardTimeEstimator(min_group=3)
+    for tokens, seconds in ((64, 0.010), (300, 0.018), (400, 0.020), (500, 0.022)) * 3:
+        est.add(tokens, seconds)  # groups 64 and 512 (median 400 tokens, 20 ms)
+    assert est.time(64) == pytest.approx(0.010)
+    assert est.time(300) == pytest.approx(0.010 + 0.010 * (300 - 64) / (400 - 64))
+    assert est.time(300) < est.time(350) < est.time(400) == pytest.approx(0.020)
+    assert est.time(32) == pytest.approx(0.010)  # below every point: the smallest's time
+
+
+def test_forward_estimator_prices_a_graph_bucket_flat_where_graphs_replay():
+    """Decode steps of a bucket the runner replays as a CUDA graph cost the bucket's
+    median throughout; climbing past the median along the segment to the bucket below
+    (which holds a bucket's jump) priced 128 rows as dear as eager ones. Eager groups past
+    the graphs still climb."""
+    est = ForwardTimeEstimator(min_group=3)
+    for rows, seconds in ((64, 0.0056), (80, 0.0069)) * 3:
+        est.add(rows, seconds, decode=True)  # buckets 64 and 128, where only 80 rows ran
+    assert est.time(128, decode=True) == pytest.approx(0.0069 + 48 * 0.0013 / 16)  # no graphs
+    est.graph_rows = 256
+    assert est.time(128, decode=True) == pytest.approx(0.0069)
+    assert est.times(64, 64, decode=True)[-1] == pytest.approx(0.0069)
+    for rows, seconds in ((300, 0.014), (400, 0.016)) * 3:
+        est.add(rows, seconds, decode=True)  # eager, group 512 (median 350 rows)
+    assert est.time(450, decode=True) > est.time(350, decode=True)  # it grows there
 
 
 def test_median_estimator_waits_for_samples_and_ignores_a_spike():
@@ -482,6 +553,47 @@ def test_exploration_climbs_one_size_at_a_time_to_drafts_that_pay():
     assert [n for n, _, _ in steps[-50:]].count(80) >= 45
 
 
+def test_exploration_tries_an_unmeasured_size_between_measured_ones():
+    """Graph sizes 1, 4 and 16 measured, 8 never: priced as 16, the fifth and sixth rows
+    of a lone request look dear. The size above the choice is explored (not only the one
+    above the step's own), and once measured all five drafts are verified."""
+    spec = dynamic_spec()
+    costs = {1: 0.0044, 2: 0.0044, 4: 0.00445, 8: 0.00455, 16: 0.0050}
+    for rows in (1, 4, 16) * 3:
+        spec.policy.observe(rows, costs[rows], 0.0, 0.0, decode=True)
+    steps = simulate(spec, lambda rows: costs[graph_size(rows)], 1, RATES, RATES, 80)
+    assert spec.policy.cost.forward.measured(6, decode=True)
+    assert [n for n, _, _ in steps[-40:]].count(5) >= 36
+
+
+def test_guard_needs_no_warm_up_probes_where_drafts_beat_the_ceiling():
+    """Speculation measured at twice what the steps without drafts could reach at best
+    (their tokens over their device time) is ahead without a sample of that mode: no
+    probes while the regime warms up, the rarest after. Only the choices that ran count as
+    the policy's budget."""
+    spec = dynamic_spec()
+    steps = simulate(spec, lambda rows: 0.007 + 0.00001 * rows, 1, RATES, RATES, 250)
+    key = spec.guard.regime(1, False)
+    assert spec.guard.ceiling(key) == pytest.approx(1 / 0.00701, rel=0.01)
+    assert spec.guard.rate(key, False) is None  # never needed
+    assert spec.counters.guard_probes <= guard.PROBE_STEPS
+    assert spec.counters.budget == sum(n for n, _, _ in steps)
+
+
+def test_guard_times_a_step_without_drafts_as_with_the_drafter_resting():
+    """A step without drafts is a sample of no speculation: the drafter's proposals after it
+    (for the steps after the probe) are no part of it, though never below its device time."""
+    spec = dynamic_spec()
+    req = request("a")
+    plan = StepPlan([ScheduledChunk("a", [1], 5, [], True)])
+    key = spec.guard.regime(1, False)
+    for interval, draft in ((0.0, 0.0), (0.020, 0.005), (0.020, 0.015)):
+        spec.clock.now += interval
+        spec.observe(plan, StepResult({req.request_id: 0},
+                                      timing=StepTiming(0.007, 0.001, draft)))  # fmt: skip
+    assert list(spec.guard._regimes[key].samples[False]) == [(1, 0.015), (1, 0.008)]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_forward_times_in_one_pass_equal_time_of_each(seed):
     rng = random.Random(seed)
@@ -508,28 +620,70 @@ def _idle_spec(guard: bool = True) -> SpecDecoding:
     return spec
 
 
-def test_the_drafter_rests_while_the_policy_verifies_nothing():
-    """A step the policy verifies no draft in lets the drafter rest QUIET_STEPS steps of its
-    regime (no candidates then); after that it proposes again and the policy is asked;
-    a step of another regime ends the rest at once."""
-    from engine.spec.manager import QUIET_STEPS
+def test_the_drafter_rests_longer_each_time_the_policy_verifies_nothing():
+    """One step the policy verifies no draft in rests nothing (one choice, maybe a noisy
+    one); each further one in a row lets the drafter rest twice as many steps of its
+    regime (no candidates then), up to QUIET_STEPS; after a rest it proposes again and the
+    policy is asked; a step of another regime ends the rest at once."""
+    from engine.spec.manager import QUIET_STEPS, rest_steps
 
+    assert [rest_steps(z) for z in range(1, 10)] == [0, 2, 4, 8, 16, 32, 64, 128, 128]
+    assert QUIET_STEPS == 128
     spec = _idle_spec()
     reqs = [request(f"r{i}") for i in range(64)]
     cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
     assert spec.proposes
     assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
-    assert not spec.proposes
-    for _ in range(QUIET_STEPS - 1):
-        assert spec.lengths([], 64, 64, decode=True, limit=10_000) == []
-        assert not spec.proposes
-    spec.lengths([], 64, 64, decode=True, limit=10_000)
-    assert spec.proposes
+    assert spec.proposes  # the first verdict: no rest
+    for zeros in range(2, 6):
+        assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+        for _ in range(rest_steps(zeros)):
+            assert not spec.proposes
+            assert spec.lengths([], 64, 64, decode=True, limit=10_000) == []
+        assert spec.proposes
     spec.lengths(cands, 64, 64, decode=True, limit=10_000)
     assert not spec.proposes
     spec.lengths([], 8, 8, decode=True, limit=10_000)  # a batch of another graph size
     assert spec.proposes
     assert spec.counters.guard_probes == 0  # nothing to probe: no step verified drafts
+
+
+def test_a_rest_ends_on_drafts_that_pay_and_not_on_a_step_that_also_verified_none():
+    """Drafts that pay again start the count anew (the next zero rests nothing); a step of
+    another regime whose own latest verdicts were no drafts (prefill steps between decode
+    steps at high load) leaves the rest as it is."""
+    spec = _idle_spec()
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    sure = [Candidate(r, [0] * 5, [1.0] * 5) for r in reqs]  # drafts always kept: they pay
+    for _ in range(3):
+        spec.lengths(cands, 64, 64, decode=True, limit=10_000)
+        spec.lengths(cands, 64 + 64, 64, decode=False, limit=10_000)  # with prefill
+        while not spec.proposes:
+            spec.lengths([], 64, 64, decode=True, limit=10_000)
+    assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+    assert not spec.proposes
+    spec.lengths([], 128, 64, decode=False, limit=10_000)  # prefill, whose verdicts were none
+    assert not spec.proposes
+    while not spec.proposes:  # the rest over: drafts that pay
+        spec.lengths([], 64, 64, decode=True, limit=10_000)
+    assert sum(spec.lengths(sure, 64, 64, decode=True, limit=10_000)) > 0
+    assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+    assert spec.proposes  # counted anew: one verdict rests nothing
+
+
+def test_no_drafts_on_a_size_never_measured_is_no_verdict():
+    """The policy verifies nothing in a step of a size its cost model never ran (priced
+    past every measured size, as dear per token as the largest): a guess, after which the
+    drafter does not rest, however often it repeats."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8) * 3:
+        spec.policy.observe(rows, 0.001 * rows, 0.0, 0.0, decode=True)
+    reqs = [request(f"r{i}") for i in range(64)]
+    cands = [Candidate(r, [0] * 5, survival([0.3] * 5)) for r in reqs]
+    for _ in range(5):
+        assert spec.lengths(cands, 64, 64, decode=True, limit=10_000) == [0] * 64
+        assert spec.proposes and not spec.policy.sure
 
 
 def test_no_draft_probes_only_on_steps_the_policy_verifies_drafts_in():

@@ -1,0 +1,465 @@
+"""Speculative decoding's scheduling against a synthetic H200: none, fixed k = 1..5, dynamic.
+
+    PYTHONPATH=. .venv/bin/python -m bench.spec_decode_sim [--concurrency 1,16,64,128,256]
+        [--workloads decode,prefill-heavy] [--scale N] [--no-overlap]
+
+No model and no device: the engine's own ``Scheduler``, ``KVCacheManager`` and
+``SpecDecoding`` (verify policy, step-cost model, realized-gain guard) run as
+``EngineCore.step`` drives them (``SimEngine``: plan and launch, collect the step in
+flight, leave a step without drafts running: overlap scheduling, ``lagged``), against a
+fake runner on a fake clock; ``host_time``, ``observe`` and ``idle`` are fed as the engine
+feeds them, and the cost model is told of the graphs as ``EngineCore`` tells it on CUDA.
+The runner is ``bench.spec_decode_gpu``'s: a model whose greedy token is always the same
+one, and one drafter for every arm proposing ``len(rates)`` drafts (the draft at position
+j kept with probability ``rates[j]`` given the ones before, drawn from a hash of the
+request, its length and j, so that every arm meets the same draws; it reports ``rates``
+as its confidence; the drafts after the first wrong one are right again, as its are).
+
+Its times (``H200Costs``) are fitted to ``bench/results/spec_decode_h200.json``
+(llama3-8b in bf16, rates 0.8 .. 0.4; the none arm's steps at each concurrency give the
+decode graphs' times, the fixed arms' the rest): a decode step's forward by CUDA graph
+bucket up to 256 rows (4.4 ms at 1 row, 11.2 at 256), eager ~35 us a row past them;
+steps with prefill eager, ~22 us a token (at least 9.6 ms); the host's work per step —
+planning and launching, folding tokens back, drafting, looking up and pricing the
+candidates — ~0.75 ms + ~45 us a request, hidden under overlap behind a step without
+drafts and exposed after one with drafts; every time jitters (2 % on the device, 10 % on
+the host, seeded). The none and fixed arms come within 15 % of the H200's tok/s but for
+prefill-heavy at 128-256 streams (up to 22 % fast). The workloads and the order of points
+are the GPU benchmark's (``decode``: 4 waves of the concurrency, 64-token prompts, 128
+tokens out; ``prefill-heavy``: twice the concurrency twice over, at least 32, 256-token
+prompts, 16 out; ``--scale``: as many times the requests), each arm keeping its
+``SpecDecoding`` across points as that run does, after the same warm-up.
+
+Beside tok/s each point counts the steps that sampled but verified no draft, by cause
+(``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
+policy's drafts), ``probe`` (the guard's no-draft probe), ``rest`` (the drafter rested,
+so there were no drafts to verify) and ``new`` (no proposal yet: a request's first step,
+or the step planned while that one ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import math
+import random
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig, SpeculativeConfig
+from engine.kv_cache.block_pool import BlockPool
+from engine.kv_cache.manager import KVCacheManager
+from engine.plan import StepPlan, StepResult, StepTiming
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.spec.base import Proposal
+from engine.spec.manager import SpecDecoding
+
+RATES = (0.8, 0.7, 0.6, 0.5, 0.4)
+RIGHT, WRONG = 0, 1  # the model's greedy token; a draft's wrong guess
+MAX_K = 5
+
+
+@dataclass(frozen=True)
+class H200Costs:
+    """Step times in seconds, fitted to the H200 run (module docstring)."""
+
+    graph_s: tuple[tuple[int, float], ...] = (  # decode forward per graph bucket of rows
+        (1, 4.40e-3), (2, 4.42e-3), (4, 4.45e-3), (8, 4.55e-3), (16, 4.95e-3),
+        (32, 5.25e-3), (64, 5.65e-3), (128, 6.9e-3), (256, 11.15e-3),
+    )  # fmt: skip
+    eager_s: float = 3.0e-3  # a decode step past the graphs: this + per row
+    eager_row_s: float = 35e-6
+    eager_floor_s: float = 9.6e-3  # an eager forward's launch-bound least
+    prefill_token_s: float = 22e-6  # a step with prefill: eager_s + this per token
+    sample_s: float = 0.05e-3  # sampling one token per request (device)
+    verify_s: float = 0.25e-3  # verification (device), per step with drafts
+    verify_draft_s: float = 2e-6  # ... and per draft
+    plan_s: float = 0.3e-3  # host: planning and launching a step
+    plan_chunk_s: float = 10e-6
+    update_s: float = 0.3e-3  # host: folding a step's tokens back
+    update_chunk_s: float = 10e-6
+    draft_s: float = 0.15e-3  # host: the drafter's proposals after a step
+    draft_request_s: float = 20e-6
+    lookup_s: float = 3e-6  # host: per candidate the scheduler looks up
+    price_s: float = 2e-6  # host: per candidate the dynamic policy prices ...
+    price_step_s: float = 15e-6  # ... and per step it does
+    device_noise: float = 0.02  # each device time times exp(N(0, this))
+    host_noise: float = 0.10  # each host time times exp(N(0, this))
+
+    def forward(self, plan: StepPlan) -> float:
+        rows = plan.num_tokens
+        decode = all(c.sample and c.num_tokens == c.num_draft + 1 for c in plan.chunks)
+        if decode and rows <= self.graph_s[-1][0]:
+            sizes = [b for b, _ in self.graph_s]
+            return self.graph_s[bisect.bisect_left(sizes, rows)][1]
+        per = self.eager_row_s if decode else self.prefill_token_s
+        return max(self.eager_floor_s, self.eager_s + per * rows)
+
+    def sample(self, plan: StepPlan) -> float:
+        drafts = plan.num_draft_tokens
+        return self.sample_s + (self.verify_s + self.verify_draft_s * drafts if drafts else 0.0)
+
+    def plan(self, plan: StepPlan) -> float:
+        return self.plan_s + self.plan_chunk_s * len(plan.chunks)
+
+    def update(self, plan: StepPlan) -> float:
+        return self.update_s + self.update_chunk_s * len(plan.chunks)
+
+    def draft(self, requests: int) -> float:
+        return self.draft_s + self.draft_request_s * requests if requests else 0.0
+
+
+class Clock:
+    """The fake wall clock ``SpecDecoding`` measures steps with."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+REASONS = ("verified", "policy", "guard", "probe", "rest", "new")
+
+
+class Traced(SpecDecoding):
+    """``SpecDecoding`` that says, per step it plans, why it verified no draft (module
+    docstring), and how many candidates it looked up and priced (host work)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reasons: Counter[str] = Counter()
+        self.looked_up = self.priced = 0  # candidates, since the engine last took them
+        self._recent: deque[bool] = deque([True, True], maxlen=2)  # plans' ``proposes``
+
+    def lengths(self, candidates, base_tokens, base_yield, decode=None, limit=None):
+        resting = not self.proposes or not all(self._recent)  # no drafts: from a rest
+        c = self.counters
+        probes, blocked = c.guard_probes, c.guard_blocked
+        out = super().lengths(candidates, base_tokens, base_yield, decode, limit)
+        self._recent.append(self.proposes)
+        self.looked_up += len(candidates)
+        if base_yield:
+            if any(out):
+                reason = "verified"
+            elif not candidates or resting:
+                reason = "rest" if resting else "new"
+            elif c.guard_probes > probes:
+                reason = "probe"
+            elif c.guard_blocked > blocked:
+                reason = "guard"
+            else:
+                reason = "policy"
+            self.reasons[reason] += 1
+        return out
+
+    def _ask(self, candidates, *args):
+        if self.config.schedule == "dynamic":
+            self.priced += len(candidates)
+        return super()._ask(candidates, *args)
+
+    def host_work(self) -> tuple[int, int]:
+        """Candidates looked up and priced since the last call."""
+        out = self.looked_up, self.priced
+        self.looked_up = self.priced = 0
+        return out
+
+
+@dataclass
+class _Launched:
+    plan: StepPlan
+    forward_s: float
+    sample_s: float
+    done: float  # when the device finishes it
+
+
+@dataclass
+class SimEngine:
+    """``EngineCore.step`` on a fake runner and clock (module docstring)."""
+
+    spec: SpecDecoding
+    costs: H200Costs = field(default_factory=H200Costs)
+    rates: Sequence[float] = RATES
+    max_seqs: int = 256
+    max_tokens: int = 4096
+    overlap: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        kv = KVCacheManager(BlockPool(4 * self.max_seqs + 16, enable_caching=False), 128)
+        config = SchedulerConfig(max_num_seqs=self.max_seqs,
+                                 max_num_batched_tokens=self.max_tokens)  # fmt: skip
+        self.scheduler = Scheduler(config, kv, 4096, self.spec)
+        self.spec.graphs(self.costs.graph_s[-1][0])  # as EngineCore tells it on CUDA
+        self.clock = self.spec.clock if isinstance(self.spec.clock, Clock) else Clock()
+        self.spec.clock = self.clock
+        self.rng = random.Random(self.seed)
+        self._noise = random.Random(self.seed + 1)
+        self.host = 0.0  # the host's clock
+        self.device = 0.0  # when the device is done with what it was given
+        self._inflight: _Launched | None = None
+        self._tokens: dict[str, int] = {}  # the runner's count of each request's tokens
+
+    @property
+    def now(self) -> float:
+        return self.host
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._inflight is not None
+
+    def add(self, request_id: str, prompt_len: int, max_tokens: int) -> None:
+        prompt = [3 + self.rng.randrange(247) for _ in range(prompt_len)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add(Request(request_id, prompt, params))
+        self._tokens[request_id] = prompt_len
+
+    def _jitter(self, seconds: float, sigma: float) -> float:
+        return seconds * math.exp(self._noise.gauss(0.0, sigma)) if sigma else seconds
+
+    def _host(self, seconds: float) -> float:
+        seconds = self._jitter(seconds, self.costs.host_noise)
+        self.host += seconds
+        return seconds
+
+    def _launch(self, plan: StepPlan) -> _Launched:
+        looked_up, priced = self.spec.host_work() if isinstance(self.spec, Traced) else (0, 0)
+        costs = self.costs
+        asked = costs.price_step_s + costs.price_s * priced if priced else 0.0
+        self._host(costs.plan(plan) + costs.lookup_s * looked_up + asked)
+        device = self.costs.device_noise
+        forward = self._jitter(self.costs.forward(plan), device)
+        sample = self._jitter(self.costs.sample(plan), device)
+        start = max(self.host, self.device)
+        self.device = start + forward + sample
+        return _Launched(plan, forward, sample, self.device)
+
+    def _finish(self, launched: _Launched) -> StepResult:
+        """Wait for the step, verify its drafts (the model always picks RIGHT), draw the
+        drafter's proposals."""
+        self.host = max(self.host, launched.done)
+        plan = launched.plan
+        sampled, accepted, proposals = {}, {}, {}
+        k = self.spec.max_draft
+        for chunk in plan.chunks:
+            rid = chunk.request_id
+            if rid not in self._tokens:
+                continue  # ended while the step ran
+            if not chunk.sample:
+                continue
+            kept = 0
+            for token in chunk.draft_token_ids:
+                if token != RIGHT:
+                    break
+                kept += 1
+            sampled[rid] = RIGHT
+            if kept:
+                accepted[rid] = [RIGHT] * kept
+            self._tokens[rid] += kept + 1
+            req = self.scheduler.requests.get(rid)
+            if req is None or not plan.propose or not k:
+                continue
+            done = self._tokens[rid] - req.num_prompt_tokens
+            room = min(len(self.rates), req.sampling.max_tokens - done - 1)
+            if room <= 0:
+                continue
+            tokens = [RIGHT] * room
+            key = (zlib.crc32(rid.encode()) << 32) ^ self._tokens[rid]
+            for j in range(room):
+                if _uniform(key, j) >= self.rates[j]:
+                    tokens[j] = WRONG
+                    break
+            proposals[rid] = Proposal(self._tokens[rid], tokens, list(self.rates[:room]))
+        draft = self._host(self.costs.draft(len(proposals)))
+        return StepResult(sampled, accepted=accepted, proposals=proposals,
+                          timing=StepTiming(launched.forward_s, launched.sample_s, draft))
+
+    def _update(self, launched: _Launched, result: StepResult) -> list:
+        self.clock.now = self.host
+        outputs = self.scheduler.update(launched.plan, result)
+        self._host(self.costs.update(launched.plan))
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._tokens.pop(out.request_id, None)
+        return outputs
+
+    def step(self) -> list:
+        """``EngineCore.step``: plan and launch, collect the step in flight, and leave the
+        new one running when it holds no drafts (overlap)."""
+        outputs = []
+        previous, self._inflight = self._inflight, None
+        launched = None
+        host = self.host
+        if self.scheduler.has_work:
+            launched = self._launch(self.scheduler.schedule())
+        host_s = self.host - host
+        if previous is not None:
+            result = self._finish(previous)
+            host = self.host
+            outputs += self._update(previous, result)
+            host_s += self.host - host
+        if launched is not None:
+            if self.overlap and not launched.plan.num_draft_tokens:
+                self.scheduler.assume_sampled(launched.plan)
+                self._inflight = launched
+            else:
+                result = self._finish(launched)
+                host = self.host
+                outputs += self._update(launched, result)
+                host_s += self.host - host
+            self.spec.host_time(host_s)
+        return outputs
+
+
+_MASK = (1 << 64) - 1
+
+
+def _uniform(key: int, j: int) -> float:
+    """A uniform in [0, 1) from ``key`` and ``j`` (splitmix64's finaliser, as
+    ``bench.spec_decode_gpu``'s drafter draws): every arm meets the same draws."""
+    z = (key + (j + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) / 2.0**64
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_len: int
+    max_tokens: int
+
+
+def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str) -> dict:
+    """``bench.spec_decode.run_load`` on the simulated engine: ``jobs``, ``concurrency``
+    at a time (closed loop); output tok/s on the fake clock and the steps by cause."""
+    spec = engine.spec
+    before = _snapshot(spec)
+    pending = list(enumerate(jobs))
+    live: set[str] = set()
+    tokens = steps = 0
+    start = engine.now
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i, job = pending.pop(0)
+            rid = f"{tag}-{i}"
+            engine.add(rid, job.prompt_len, job.max_tokens)
+            live.add(rid)
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                live.discard(out.request_id)
+        steps += 1
+    while engine.has_work:
+        engine.step()
+    seconds = engine.now - start
+    after = _snapshot(spec)
+    diff = {key: after[key] - before[key] for key in after}
+    return {"tok_s": tokens / seconds, "seconds": seconds, "steps": steps, **diff}
+
+
+def _snapshot(spec: SpecDecoding) -> dict[str, int]:
+    c = spec.counters
+    out = {"verify_steps": c.steps, "verified": sum(c.verified), "budget": c.budget,
+           "asked": c.asked, "guard_blocked": c.guard_blocked, "guard_probes": c.guard_probes,
+           "explored": c.explored}  # fmt: skip
+    reasons = getattr(spec, "reasons", Counter())
+    out.update({f"steps_{r}": reasons[r] for r in REASONS})
+    return out
+
+
+def decode_jobs(c: int, scale: int = 1) -> list[Job]:
+    """``decode``: 4 waves of the concurrency (``scale`` times as many), 64-token prompts,
+    128 tokens out."""
+    return [Job(64, 128)] * (4 * scale * c)
+
+
+def prefill_jobs(c: int, scale: int = 1) -> list[Job]:
+    """``prefill-heavy``: 2 waves of twice the concurrency, at least 32 (``scale`` times
+    as many), 256-token prompts, 16 tokens out."""
+    return [Job(256, 16)] * (scale * max(4 * c, 32))
+
+
+WORKLOADS = {"decode": decode_jobs, "prefill-heavy": prefill_jobs}
+
+
+def arm_specs(names: Sequence[str] | None = None, lagged: bool = True) -> dict[str, SpecDecoding]:
+    """Arm -> its ``SpecDecoding`` on a fake clock (none, fixed-1..5, dynamic)."""
+    configs = {"none": SpeculativeConfig()}
+    for k in range(1, MAX_K + 1):
+        configs[f"fixed-{k}"] = SpeculativeConfig(method="rates", num_speculative_tokens=k,
+                                                  schedule="fixed")  # fmt: skip
+    configs["dynamic"] = SpeculativeConfig(method="rates", num_speculative_tokens=MAX_K,
+                                           schedule="dynamic")  # fmt: skip
+    return {name: Traced(config, 0, lagged=lagged, clock=Clock())
+            for name, config in configs.items() if names is None or name in names}  # fmt: skip
+
+
+def run(
+    concurrencies: Sequence[int] = (1, 16, 64, 128, 256),
+    workloads: Sequence[str] = ("decode", "prefill-heavy"),
+    arms: Sequence[str] | None = None,
+    costs: H200Costs | None = None,
+    overlap: bool = True,
+    scale: Callable[[int], int] | int = 1,
+    arms_at: Callable[[int], Sequence[str]] | None = None,
+) -> list[dict]:
+    """Every arm at every point, in the GPU benchmark's order (warm-up first), each arm on
+    its own engine and ``SpecDecoding``, kept across points. ``scale(c)``: the workloads
+    at ``c`` hold that many times the benchmark's requests (more averages out the draws
+    of short runs); ``arms_at(c)``: the arms that run at ``c`` (default: all)."""
+    costs = costs or H200Costs()
+    specs = arm_specs(arms, lagged=overlap)
+    engines = {name: SimEngine(spec, costs, overlap=overlap) for name, spec in specs.items()}
+    for engine in engines.values():
+        run_load(engine, [Job(64, 16)] * 4, 4, "warm-d")
+        run_load(engine, [Job(256, 8)] * 2, 2, "warm-p")
+    records = []
+    for c in concurrencies:
+        times = scale(c) if callable(scale) else scale
+        names = set(engines if arms_at is None else arms_at(c))
+        for workload in workloads:
+            jobs = WORKLOADS[workload](c, times)
+            for name, engine in engines.items():
+                if name in names:
+                    rec = run_load(engine, jobs, c, f"{workload}-{c}")
+                    records.append({"workload": workload, "concurrency": c, "arm": name, **rec})
+    return records
+
+
+def best_other(records: list[dict], rec: dict) -> tuple[str, float]:
+    """The best arm other than dynamic at ``rec``'s point."""
+    peers = [r for r in records if (r["workload"], r["concurrency"]) ==
+             (rec["workload"], rec["concurrency"]) and r["arm"] != "dynamic"]  # fmt: skip
+    best = max(peers, key=lambda r: r["tok_s"])
+    return best["arm"], best["tok_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,16,64,128,256")
+    ap.add_argument("--workloads", default="decode,prefill-heavy")
+    ap.add_argument("--no-overlap", action="store_true", help="plan each step after the last")
+    ap.add_argument("--scale", type=int, default=1, help="this many times the requests")
+    args = ap.parse_args()
+    records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
+                  overlap=not args.no_overlap, scale=args.scale)  # fmt: skip
+    for rec in records:
+        line = (f"{rec['workload']:>14} c={rec['concurrency']:<4} {rec['arm']:>8} "
+                f"{rec['tok_s']:8.0f} tok/s, steps {rec['steps']:4d} verifying "
+                f"{rec['verify_steps']:4d}")  # fmt: skip
+        if rec["arm"] == "dynamic":
+            name, best = best_other(records, rec)
+            per = rec["verified"] / rec["verify_steps"] if rec["verify_steps"] else 0.0
+            causes = " ".join(f"{r}={rec[f'steps_{r}']}" for r in REASONS[1:])
+            line += (f" x{rec['tok_s'] / best:.3f} of {name}; {per:.1f} drafts a verifying "
+                     f"step; not verifying: {causes}; probes {rec['guard_probes']}, "
+                     f"explored {rec['explored']}")  # fmt: skip
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

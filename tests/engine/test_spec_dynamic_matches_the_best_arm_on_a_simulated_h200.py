@@ -1,0 +1,46 @@
+"""The dynamic verify length against no speculation and every fixed k, on the engine's
+own scheduler and ``SpecDecoding`` driven as ``EngineCore`` drives them under overlap,
+with step costs fitted to the H200 run (``bench.spec_decode_sim``).
+
+At small batch (1 and 16 requests, decode-heavy and prefill-heavy) speculating nearly
+every step with 3-5 drafts is best: dynamic must reach 0.98 of the best arm. At high load
+(128 and 256) every fixed k loses to none: dynamic must reach 0.98 of none. The small
+points hold 4x the benchmark's requests (64 and 256 decode requests), so that the
+acceptance draws of the arms average out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.spec_decode_sim import run
+
+SMALL, HIGH = (1, 16), (128, 256)
+ARMS = ("none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dynamic")
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict]:
+    return run(SMALL + HIGH, ("decode", "prefill-heavy"),
+               scale=lambda c: 4 if c in SMALL else 1,
+               arms_at=lambda c: ARMS if c in SMALL else ("none", "dynamic"))  # fmt: skip
+
+
+def _point(records: list[dict], workload: str, c: int) -> dict[str, float]:
+    return {r["arm"]: r["tok_s"] for r in records
+            if (r["workload"], r["concurrency"]) == (workload, c)}  # fmt: skip
+
+
+@pytest.mark.parametrize("workload", ["decode", "prefill-heavy"])
+@pytest.mark.parametrize("c", SMALL)
+def test_dynamic_keeps_up_with_the_best_fixed_k_at_small_batch(records, workload, c):
+    point = _point(records, workload, c)
+    best = max(v for arm, v in point.items() if arm != "dynamic")
+    assert point["dynamic"] >= 0.98 * best, point
+
+
+@pytest.mark.parametrize("workload", ["decode", "prefill-heavy"])
+@pytest.mark.parametrize("c", HIGH)
+def test_dynamic_ties_no_speculation_at_high_load(records, workload, c):
+    point = _point(records, workload, c)
+    assert point["dynamic"] >= 0.98 * point["none"], point
