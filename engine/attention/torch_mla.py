@@ -92,9 +92,9 @@ class TorchMLABackend(MLABackend):
             k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
             q_len, seq_len = tokens.stop - tokens.start, rows.shape[0]
             causal = causal_lower_right(q_len, seq_len) if q_len > 1 else None
-            o = F.scaled_dot_product_attention(
-                q[tokens].to(dtype).transpose(0, 1), k.transpose(0, 1),
-                F.pad(v, (0, pad)).transpose(0, 1), attn_mask=causal, scale=self.scale,
+            o = F.scaled_dot_product_attention(  # [1, H, q_len, D]: the fused kernels want 4-D
+                q[tokens].to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
+                F.pad(v, (0, pad)).transpose(0, 1)[None], attn_mask=causal, scale=self.scale,
             )  # fmt: skip
-            out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
+            out[tokens] = o[0, ..., : mla.v_head_dim].transpose(0, 1)
         return out
