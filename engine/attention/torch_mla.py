@@ -76,7 +76,9 @@ class TorchMLABackend(MLABackend):
         """Attention over decompressed keys and values, sequence by sequence. The causal
         mask is SDPA's own, aligned to the last key (a chunk after a cached prefix sees the
         whole prefix), so CUDA runs a fused attention kernel rather than the masked math
-        one; for that it computes in the cache's dtype (the queries can arrive in float32
+        one (elsewhere an explicit mask and 3-D operands, which keep the math kernel: the
+        CPU's fused one rounds bf16 further from float32); for that it computes in the
+        cache's dtype (the queries can arrive in float32
         from the rotary step) and pads the values with zeros to the keys' width. A
         4k-token prefill of deepseek-v3-4l spent 268 of its 321 ms in the math kernel."""
         mla = self.mla
@@ -85,16 +87,17 @@ class TorchMLABackend(MLABackend):
         dtype = cache.dtype if fused else q.dtype
         pad = mla.qk_head_dim - mla.v_head_dim if fused else 0
         kv_b = kv_b.to(dtype)
-        for tokens, rows, _ in each_sequence(cache, meta, masks=False):
+        for tokens, rows, mask in each_sequence(cache, meta, masks=not fused):
             c, k_pe = rows.to(dtype).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             kv = F.linear(c, kv_b).unflatten(-1, (self.num_heads, -1))  # [L, H, nope + v]
             k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
             k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
             q_len, seq_len = tokens.stop - tokens.start, rows.shape[0]
-            causal = causal_lower_right(q_len, seq_len) if q_len > 1 else None
-            o = F.scaled_dot_product_attention(  # [1, H, q_len, D]: the fused kernels want 4-D
-                q[tokens].to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
-                F.pad(v, (0, pad)).transpose(0, 1)[None], attn_mask=causal, scale=self.scale,
-            )  # fmt: skip
-            out[tokens] = o[0, ..., : mla.v_head_dim].transpose(0, 1)
+            causal = causal_lower_right(q_len, seq_len) if fused and q_len > 1 else mask
+            operands = [q[tokens].to(dtype), k, F.pad(v, (0, pad))]  # [L, H, D] each
+            # [1, H, L, D] for CUDA's fused kernels; [H, L, D] elsewhere, the math kernel
+            operands = [x.transpose(0, 1)[None] if fused else x.transpose(0, 1) for x in operands]
+            o = F.scaled_dot_product_attention(*operands, attn_mask=causal, scale=self.scale)
+            o = o[0] if fused else o
+            out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
         return out
