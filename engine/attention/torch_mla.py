@@ -73,14 +73,15 @@ class TorchMLABackend(MLABackend):
     def prefill(
         self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Attention over decompressed keys and values, sequence by sequence. The causal
-        mask is SDPA's own, aligned to the last key (a chunk after a cached prefix sees the
-        whole prefix), so CUDA runs a fused attention kernel rather than the masked math
-        one (elsewhere an explicit mask and 3-D operands, which keep the math kernel: the
-        CPU's fused one rounds bf16 further from float32); for that it computes in the
-        cache's dtype (the queries can arrive in float32
-        from the rotary step) and pads the values with zeros to the keys' width. A
-        4k-token prefill of deepseek-v3-4l spent 268 of its 321 ms in the math kernel."""
+        """Attention over decompressed keys and values, sequence by sequence.
+
+        On CUDA (a bf16/fp16 cache) in the cache's dtype — the queries can arrive in float32
+        from the rotary step — with SDPA's own causal mask aligned to the last key (a chunk
+        after a cached prefix sees the whole prefix), 4-D operands and the values padded
+        with zeros to the keys' width: what SDPA's fused kernels take (a 4k-token prefill
+        of deepseek-v3-4l spent 268 of its 321 ms in the float32 math kernel). Elsewhere an
+        explicit mask over 3-D operands, which keeps the math kernel: the CPU's fused one
+        rounds bf16 further from float32."""
         mla = self.mla
         out = q.new_empty(q.shape[0], self.num_heads, mla.v_head_dim)
         fused = q.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
@@ -92,12 +93,13 @@ class TorchMLABackend(MLABackend):
             kv = F.linear(c, kv_b).unflatten(-1, (self.num_heads, -1))  # [L, H, nope + v]
             k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
             k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
-            q_len, seq_len = tokens.stop - tokens.start, rows.shape[0]
-            causal = causal_lower_right(q_len, seq_len) if fused and q_len > 1 else mask
-            operands = [q[tokens].to(dtype), k, F.pad(v, (0, pad))]  # [L, H, D] each
-            # [1, H, L, D] for CUDA's fused kernels; [H, L, D] elsewhere, the math kernel
-            operands = [x.transpose(0, 1)[None] if fused else x.transpose(0, 1) for x in operands]
-            o = F.scaled_dot_product_attention(*operands, attn_mask=causal, scale=self.scale)
-            o = o[0] if fused else o
+            # [H, L, D] each; on CUDA [1, H, L, D] and the mask lower-right causal
+            operands = [x.transpose(0, 1) for x in (q[tokens].to(dtype), k, F.pad(v, (0, pad)))]
+            if fused:
+                operands = [x[None] for x in operands]
+                q_len = tokens.stop - tokens.start
+                mask = causal_lower_right(q_len, rows.shape[0]) if q_len > 1 else None
+            o = F.scaled_dot_product_attention(*operands, attn_mask=mask, scale=self.scale)
+            o = o[0] if fused else o  # [H, q_len, D]
             out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
         return out
