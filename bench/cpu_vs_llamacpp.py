@@ -85,7 +85,7 @@ def start_ferry(flags: list[str], log: Path) -> tuple[subprocess.Popen, str, flo
     a healthy ``/health``."""
     port = _free_port()
     with log.open("wb") as f:
-        cmd = [*_ferry(), "serve", "--port", str(port), *flags]
+        cmd = [*_ferry(), "serve", "--port", str(port), "--internal-port", "0", *flags]
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"

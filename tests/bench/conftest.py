@@ -1,13 +1,15 @@
 """Fixtures for the load generator's tests: a fake streaming server and a real ``ferry serve``.
 
-``ferry_url`` starts ``ferry serve`` (default model) once per session on a free port and
-waits for ``/health`` (up to 120 s). The fake server runs inside the test's event loop.
+``ferry_url`` starts ``ferry serve --port 0`` (default model) once per session, reads the
+address it bound from its log and waits for ``/health`` (up to 120 s); with port 0 the
+control plane binds a free port too, where the public port + 1 may be taken.
+The fake server runs inside the test's event loop.
 """
 
 from __future__ import annotations
 
 import os
-import socket
+import re
 import subprocess
 import sys
 import time
@@ -25,12 +27,7 @@ from bench.common import stop_process  # noqa: E402
 from bench.load.fake_server import FakeTiming, start  # noqa: E402
 
 STARTUP_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_SERVING = re.compile(r"^ferry: serving \S+ on (http://\S+)$", re.MULTILINE)
 
 
 @pytest.fixture
@@ -49,21 +46,23 @@ async def fake_url(fake_timing: FakeTiming) -> AsyncIterator[str]:
         server.close()
 
 
-def _ferry_command(port: int) -> list[str]:
+def _ferry_command() -> list[str]:
     exe = Path(sys.executable).with_name("ferry")
-    if exe.exists():
-        return [str(exe), "serve", "--port", str(port)]
-    return [sys.executable, "-m", "server.cli", "serve", "--port", str(port)]
+    prefix = [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
+    return [*prefix, "serve", "--port", "0"]
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+def _wait_healthy(proc: subprocess.Popen, log: Path) -> str:
+    """The base URL ``ferry serve`` announced, once its ``/health`` says 200."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"ferry serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        serving = _SERVING.search(log.read_text(errors="replace"))
         try:
-            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                return
+            url = serving.group(1) if serving else None
+            if url and httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -73,16 +72,13 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
 @pytest.fixture(scope="session")
 def ferry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL (no ``/v1``) of a ``ferry serve`` subprocess with the default model."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("ferry") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _ferry_command(port), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            _ferry_command(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log)
-        yield url
+        yield _wait_healthy(proc, log)
     finally:
         stop_process(proc)
