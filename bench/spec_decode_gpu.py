@@ -26,9 +26,11 @@ drafter the dynamic policy assumes. The verifier is the engine's own.
 One ``EngineCore`` (weights, KV cache and CUDA graphs once) runs every arm: an arm is its
 own ``SpecDecoding`` (its policy, cost model and realized-gain guard kept across points,
 as a server keeps them) and the drafter or none. Workloads, each at every concurrency
-(closed loop): ``decode`` (``--waves`` x the concurrency requests, short prompts, 128
-tokens out: some 500 steps a point, so the dynamic arm's estimators and guard settle and
-its exploration and probes are a small part of the point) and ``prefill-heavy``
+(closed loop): ``decode`` (``--waves`` x the concurrency requests, at least
+``--min-decode-tokens`` tokens out in all, short prompts, 128 tokens out: some 500 steps a
+point, so the dynamic arm's estimators and guard settle and its exploration and probes are
+a small part of the point; at one stream 512 tokens left the arms' acceptance draws ~5 %
+apart, as much as what separates them) and ``prefill-heavy``
 (``--prefill-waves`` x twice the concurrency, at least ``--prefill-min-requests``,
 longer prompts and shorter answers, so that
 new prompts' chunks share steps with the others' verification). Every arm errs alone: its
@@ -139,7 +141,7 @@ class TracedSpecDecoding(SpecDecoding):
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         last = self._last_outcome
-        decode = all(c.sample and c.num_tokens == c.num_draft + 1 for c in plan.chunks)
+        decode = plan.is_decode
         predicted = None if plan.is_empty else self.policy.predicted_time(plan.num_tokens,
                                                                           decode)  # fmt: skip
         super().observe(plan, result)
@@ -182,8 +184,9 @@ def _random_prompt(rng: random.Random, n: int) -> list[int]:
 def workloads(args: argparse.Namespace) -> dict[str, Callable[[int], list[Job]]]:
     def decode(c: int) -> list[Job]:
         rng = random.Random(c)
+        n = max(args.waves * c, -(-args.min_decode_tokens // args.output_len))
         return [Job(_random_prompt(rng, args.input_len), args.output_len)
-                for _ in range(args.waves * c)]  # fmt: skip
+                for _ in range(n)]  # fmt: skip
 
     def prefill_heavy(c: int) -> list[Job]:
         rng = random.Random(1000 + c)
@@ -266,6 +269,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--waves", type=int, default=4,
                     help="decode: this many x the concurrency requests, closed loop")
+    ap.add_argument("--min-decode-tokens", type=int, default=2048,
+                    help="decode: at least this many tokens out per point (small batch)")
     ap.add_argument("--prefill-waves", type=int, default=2,
                     help="prefill-heavy: this many x twice the concurrency requests")
     ap.add_argument("--prefill-min-requests", type=int, default=32,
@@ -278,7 +283,7 @@ def main() -> None:
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=360.0,
+        default=400.0,
         help="points not started this long after start are skipped",
     )
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_h200.json"))

@@ -19,7 +19,8 @@ Its times (``H200Costs``) are fitted to ``bench/results/spec_decode_h200.json``
 (llama3-8b in bf16, rates 0.8 .. 0.4; the none arm's steps at each concurrency give the
 decode graphs' times, the fixed arms' the rest): a decode step's forward by CUDA graph
 bucket up to 256 rows (4.4 ms at 1 row, 11.2 at 256), eager ~35 us a row past them;
-steps with prefill eager, ~22 us a token (at least 9.6 ms); the host's work per step —
+steps with prefill eager, ~22 us a token (at least 9.6 ms), their kernels issued by the
+host one by one in ~8.5 ms while the device runs them; the host's work per step —
 planning and launching, folding tokens back, drafting, looking up and pricing the
 candidates — ~0.75 ms + ~45 us a request, hidden under overlap behind a step without
 drafts and exposed after one with drafts; every time jitters (2 % on the device, 10 % on
@@ -75,6 +76,8 @@ class H200Costs:
     eager_row_s: float = 35e-6
     eager_floor_s: float = 9.6e-3  # an eager forward's launch-bound least
     prefill_token_s: float = 22e-6  # a step with prefill: eager_s + this per token
+    eager_issue_s: float = 8.5e-3  # host: issuing an eager step's kernels, one by one (the
+    # device runs them as they come, so the step cannot end before the last is issued)
     sample_s: float = 0.05e-3  # sampling one token per request (device)
     verify_s: float = 0.25e-3  # verification (device), per step with drafts
     verify_draft_s: float = 2e-6  # ... and per draft
@@ -92,12 +95,17 @@ class H200Costs:
 
     def forward(self, plan: StepPlan) -> float:
         rows = plan.num_tokens
-        decode = all(c.sample and c.num_tokens == c.num_draft + 1 for c in plan.chunks)
+        decode = plan.is_decode
         if decode and rows <= self.graph_s[-1][0]:
             sizes = [b for b, _ in self.graph_s]
             return self.graph_s[bisect.bisect_left(sizes, rows)][1]
         per = self.eager_row_s if decode else self.prefill_token_s
         return max(self.eager_floor_s, self.eager_s + per * rows)
+
+    def issue(self, plan: StepPlan) -> float:
+        """Host time issuing the step's kernels: a graph replay's is in ``plan``."""
+        replayed = plan.is_decode and plan.num_tokens <= self.graph_s[-1][0]
+        return 0.0 if replayed else self.eager_issue_s
 
     def sample(self, plan: StepPlan) -> float:
         drafts = plan.num_draft_tokens
@@ -235,7 +243,8 @@ class SimEngine:
         forward = self._jitter(self.costs.forward(plan), device)
         sample = self._jitter(self.costs.sample(plan), device)
         start = max(self.host, self.device)
-        self.device = start + forward + sample
+        self._host(costs.issue(plan))
+        self.device = max(start + forward, self.host) + sample
         return _Launched(plan, forward, sample, self.device)
 
     def _finish(self, launched: _Launched) -> StepResult:
@@ -311,7 +320,7 @@ class SimEngine:
                 host = self.host
                 outputs += self._update(launched, result)
                 host_s += self.host - host
-            self.spec.host_time(host_s)
+            self.spec.host_time(host_s, launched.plan)
         return outputs
 
 

@@ -333,7 +333,9 @@ class EngineCore:
                 start = time.perf_counter()
                 outputs += self.scheduler.update(plan, result)
                 host_s += time.perf_counter() - start
-            self.scheduler.spec.host_time(host_s)
+                if result.timing is not None and self.runner.computes_in_launch:
+                    host_s -= result.timing.forward_s + result.timing.sample_s
+            self.scheduler.spec.host_time(host_s, launched[0])
         for out in outputs:
             if out.finish_reason is not None:
                 self.media.release(out.request_id)

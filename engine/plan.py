@@ -100,6 +100,12 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def is_decode(self) -> bool:
+        """Every chunk one token (plus its drafts) that samples: the decode path, which
+        replays CUDA graphs up to their largest size."""
+        return all(c.sample and c.num_tokens == c.num_draft + 1 for c in self.chunks)
+
 
 @dataclass(frozen=True)
 class StepTiming:

@@ -215,6 +215,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_forwards = 0  # model forwards run (or replayed) since start
 
+    @property
+    def computes_in_launch(self) -> bool:
+        """Whether ``launch`` runs the forward itself (on the CPU) rather than queuing it
+        on a device: then the host time around it holds the forward's time too."""
+        return self.device.type != "cuda"
+
     def capture_decode_graphs(
         self,
         max_batch: int,

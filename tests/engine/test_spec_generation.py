@@ -216,3 +216,23 @@ def test_the_drafter_rests_while_the_dynamic_policy_verifies_nothing():
     assert steps > 100
     assert Zero.asked < steps / 4
     core.check_integrity()
+
+
+def test_the_host_time_the_policy_counts_on_the_cpu_leaves_the_forward_out():
+    """On the CPU ``launch`` runs the forward itself: the host work a step adds (planning,
+    folding its tokens back) is what is left of it, not the forward counted twice (which
+    made drafts look cheaper than they are beside a step twice as long)."""
+    import time
+
+    llm = engine("dummy:tiny", SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    runner = llm.core.runner
+    logits = runner._logits
+
+    def slow(plan):
+        time.sleep(0.05)  # a forward of 50 ms, far past the host work of a tiny step
+        return logits(plan)
+
+    runner._logits = slow
+    llm.generate(prompts()[:2], GREEDY)
+    host = llm.core.scheduler.spec.host
+    assert host.ready and host.value() < 0.025

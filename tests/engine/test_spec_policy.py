@@ -134,13 +134,19 @@ def test_dynamic_counts_the_host_wait_a_step_with_drafts_exposes():
     assert sum(policy.lengths(VerifyStep(curves, curves, 64, 64, 0.0005))) == 64
 
 
+def _plan(*prompt_lengths: int) -> StepPlan:
+    """A step of one chunk per length: a decode step where every length is 1."""
+    return StepPlan([ScheduledChunk(f"r{i}", [1] * n, 0, [0], True)
+                     for i, n in enumerate(prompt_lengths)])  # fmt: skip
+
+
 def test_host_time_is_measured_and_counted_only_under_overlap():
     for overlap in (False, True):
         spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=2),
                             lagged=overlap)  # fmt: skip
-        spec.host_time(0.003)
+        spec.host_time(0.003, _plan(1))
         for _ in range(5):
-            spec.host_time(0.002)
+            spec.host_time(0.002, _plan(1))
         assert spec.host.value() == 0.002
         for tokens in (1, 1, 1, 3, 3, 3):
             spec.policy.observe(tokens, 0.010 + 0.0001 * tokens, 0.0005, 0.0)
@@ -148,6 +154,24 @@ def test_host_time_is_measured_and_counted_only_under_overlap():
         spec._proposals["r"] = Proposal(req.num_tokens, [1], [0.02])
         candidate = spec.drafts_for(req, 1)
         assert spec.lengths([candidate], 1, 1) == ([0] if overlap else [1])
+
+
+def test_under_overlap_only_decode_steps_a_graph_replays_count_as_host_time():
+    """An eager step issues its kernels while the device runs them: its long launch is no
+    wait a step with drafts exposes. A wave of prompts (eager prefill steps, ~10 ms of
+    launch each on an H200) lifted the median and drafts stopped paying at 16 streams."""
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=2),
+                        lagged=True)  # fmt: skip
+    spec.graphs(4)
+    for _ in range(5):
+        spec.host_time(0.001, _plan(1, 1))  # decode, replayed
+        spec.host_time(0.010, _plan(64, 1))  # a prompt's chunk: eager
+        spec.host_time(0.010, _plan(*[1] * 8))  # decode past the graphs: eager
+    assert spec.host.value() == 0.001
+    plain = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    for _ in range(5):  # without overlap every step waits for its host work
+        plain.host_time(0.010, _plan(64, 1))
+    assert plain.host.value() == 0.010
 
 
 def test_dynamic_charges_drafting_only_to_steps_with_drafts():
