@@ -97,8 +97,9 @@ class ServingClient(Protocol):
     ``start`` brings the engines up (and waits until they are ready), ``shutdown`` stops
     them. ``generate`` streams one request's outputs (the last has ``finish_reason``);
     leaving it early aborts the request everywhere, as ``abort`` does. ``health`` is the
-    body of ``/health`` (None: status only), ``stats`` the engines' summed figures, and
-    ``collectors`` their own Prometheus collectors. ``images``: what the frontend needs to
+    body of ``/health`` (None: status only), ``stats`` the engines' summed figures,
+    ``workers`` the handles of the worker processes, and ``collectors`` their own
+    Prometheus collectors. ``images``: what the frontend needs to
     put images into a prompt (None: the model takes none); ``generate``'s ``media`` are
     the prompt's images, with their files. ``join`` starts attaching a worker
     that announced itself (the task ends once it is ready, or with why not) or raises
@@ -118,6 +119,9 @@ class ServingClient(Protocol):
 
     @property
     def stats(self) -> EngineStats: ...
+
+    @property
+    def workers(self) -> Sequence[WorkerHandle]: ...
 
     async def start(self) -> None: ...
 
@@ -189,6 +193,10 @@ class EngineClient:
     @property
     def stats(self) -> EngineStats:
         return self._engine.stats or self._stats
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return [self._engine]
 
     def health(self) -> None:
         return None

@@ -209,6 +209,16 @@ class ExpertStats(msgspec.Struct, frozen=True):
     imbalance: float = 0.0
 
 
+class GcStats(msgspec.Struct, frozen=True):
+    """A process's garbage collector (``engine.heap``), cumulative: collections and their
+    pause seconds by generation, the longest pause, the objects frozen at startup."""
+
+    collections: tuple[int, int, int] = (0, 0, 0)
+    pause_s: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    longest_s: float = 0.0
+    frozen: int = 0
+
+
 class WorkerStats(msgspec.Struct, tag=True):
     """A worker's state for the frontends' routing and metrics."""
 
@@ -218,6 +228,7 @@ class WorkerStats(msgspec.Struct, tag=True):
     tokens_per_s: float = 0.0  # measured prefill rate (moving average over busy steps)
     draining: bool = False  # finishing what it has; send it nothing new
     experts: ExpertStats | None = None  # an expert-parallel rank's, at most once a second
+    gc: GcStats | None = None  # its garbage collector's pauses (the shell adds them)
 
 
 class Heartbeat(msgspec.Struct, tag=True, frozen=True):

@@ -42,7 +42,7 @@ from server import errors, openapi, responses
 from server.access import AccessLogMiddleware
 from server.body import parse_body as parse_json_body
 from server.config import ServerConfig
-from server.metrics import CONTENT_TYPE, Metrics
+from server.metrics import CONTENT_TYPE, GcCollector, Metrics
 from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from server.response_store import ResponseStore
 from server.responses_protocol import ResponsesRequest
@@ -68,6 +68,7 @@ _ENDPOINTS = {
 
 def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     metrics = Metrics(lambda: client.stats)
+    metrics.registry.register(GcCollector(lambda: client.workers))
     for collector in client.collectors():  # a worker pool's own metrics
         metrics.registry.register(collector)
 

@@ -9,13 +9,14 @@ and evictions) are read from the engine client's latest ``EngineStats`` at scrap
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.messages import EngineStats
+from engine import heap
+from engine.messages import EngineStats, GcStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -137,6 +138,43 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
                             value=s.kv_host_blocks_used)  # fmt: skip
     yield GaugeMetricFamily("ferry_kv_host_blocks_total", "KV block slots in host memory",
                             value=s.kv_host_blocks_total)  # fmt: skip
+
+
+class GcCollector(Collector):
+    """Garbage collection in this frontend and in each worker (``engine.heap``): the
+    collections and the seconds they stopped the process, by generation, the longest
+    pause, and the objects of the startup frozen out of the collector's walk."""
+
+    def __init__(self, workers: Callable[[], Sequence]) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "worker"]
+        collections = CounterMetricFamily("ferry_gc_collections", "Garbage collections of "
+                                          "each process, by generation",
+                                          labels=[*labels, "generation"])  # fmt: skip
+        paused = CounterMetricFamily("ferry_gc_pause_seconds", "Seconds garbage collection "
+                                     "stopped each process, by generation",
+                                     labels=[*labels, "generation"])  # fmt: skip
+        longest = GaugeMetricFamily("ferry_gc_longest_pause_seconds", "The longest garbage "
+                                    "collection pause of each process", labels=labels)  # fmt: skip
+        frozen = GaugeMetricFamily("ferry_gc_frozen_objects", "Objects of each process's "
+                                   "startup frozen out of garbage collection",
+                                   labels=labels)  # fmt: skip
+        rows: list[tuple[str, str, GcStats]] = [("frontend", "frontend",
+                                                 heap.pauses().snapshot())]  # fmt: skip
+        rows += [(w.role, w.name, w.gc) for w in self._workers() if w.gc is not None]
+        for role, name, gc in rows:
+            for generation in range(3):
+                key = [role, name, str(generation)]
+                collections.add_metric(key, gc.collections[generation])
+                paused.add_metric(key, gc.pause_s[generation])
+            longest.add_metric([role, name], gc.longest_s)
+            frozen.add_metric([role, name], gc.frozen)
+        yield from (collections, paused, longest, frozen)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class Metrics:

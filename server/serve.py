@@ -32,7 +32,7 @@ from encode.inputs import (
     DEFAULT_MAX_IMAGES,
     MediaLimits,
 )
-from engine import envs, logs
+from engine import envs, heap, logs
 from engine.config import (
     SPEC_SCHEDULES,
     CacheConfig,
@@ -669,8 +669,11 @@ async def serve(
             await asyncio.sleep(0.05)
         controlling.append(asyncio.create_task(control.serve(sockets=[control_sock])))
         _announce(server, client, config, control_sock, time.monotonic() - began)
+        heap.freeze_startup()  # started: what exists now lives as long as the process
+        pauses = heap.pauses()
         while not server.should_exit:
             await asyncio.sleep(0.1)
+            pauses.report()
         await _drain(app, client, config)
 
     watcher = asyncio.create_task(lifecycle())

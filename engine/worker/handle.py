@@ -35,6 +35,7 @@ from engine.messages import (
     Codec,
     EngineStats,
     ExpertStats,
+    GcStats,
     Shutdown,
     WorkerFailed,
     WorkerReady,
@@ -76,6 +77,7 @@ class WorkerHandle:
         self.draining = False
         self.stats: EngineStats | None = None  # the worker's latest
         self.experts: ExpertStats | None = None  # an expert-parallel rank's latest
+        self.gc: GcStats | None = None  # its garbage collector's pauses, latest
         self.ready_s = 0.0  # from spawn (or connect) to its ready message
         self.mourned = False  # its death has been handled
         self.num_transferring = 0
@@ -182,6 +184,8 @@ class WorkerHandle:
         self.draining = stats.draining
         if stats.experts is not None:
             self.experts = stats.experts
+        if stats.gc is not None:
+            self.gc = stats.gc
 
     def run(
         self,

@@ -9,7 +9,6 @@ same way. ``main(role_cls)`` is a role module's ``python -m`` entry point.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import logging
 import os
@@ -24,7 +23,7 @@ from typing import ClassVar, Protocol
 
 import msgspec
 
-from engine import envs, logs
+from engine import envs, heap, logs
 from engine.messages import (
     Codec,
     RequestOutput,
@@ -182,6 +181,9 @@ def serve(role_cls: type[WorkerRole], config: WorkerConfig, channel: WorkerChann
             return 1
         ready = role.ready()
         ready = msgspec.structs.replace(ready, startup={"process": started, **ready.startup})
+        frozen = heap.freeze_startup()  # built and warmed up: the rest is serving
+        log.debug("%d objects of the startup frozen out of garbage collection", frozen)
+        heap.pauses()
         channel.ready(ready)
         _announce_ready(config, ready, channel.address)
         channel.start_heartbeat(HEARTBEAT_S)
@@ -289,7 +291,7 @@ def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
             if orphaned():
                 return
             if worked:
-                trim_heap()
+                heap.trim()
                 worked = False
             _send(channel, role, role.tick(), requests)
             continue
@@ -309,25 +311,6 @@ def _loop(role: WorkerRole, channel: WorkerChannel, drain: threading.Event,
             role.check_integrity()
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc's; other C libraries lack it
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system, once a worker goes idle: a burst
-    of prefill leaves hundreds of MB of freed activations in glibc's heap, resident until
-    the next burst (on the default CPU model the prefill worker grew from 0.5 to 1.1 GB
-    over a benchmark; trimmed, it stays near its size after load). A few ms, idle."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
 def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox, requests: RequestLog) -> None:
     for msg, last in outbox.replies:
         channel.reply(msg.request_id, msg, last)
@@ -341,6 +324,8 @@ def _send(channel: WorkerChannel, role: WorkerRole, outbox: Outbox, requests: Re
     stats = outbox.stats
     if stats is None and channel.last_stats + HEARTBEAT_S <= time.monotonic():
         stats = role.stats()
+    if stats is not None:
+        stats.gc = heap.pauses().snapshot()
     if outbox.outputs:
         channel.outputs(outbox.outputs, stats)
     elif stats is not None:

@@ -104,6 +104,36 @@ def test_no_prompt_or_generated_text_reaches_the_logs(text_server):
     assert len(words) == len(re.findall(r"\w{6,}", text))
 
 
+def test_every_process_froze_its_startup_and_reports_its_collectors_pauses(text_server):
+    """The frontend and both workers moved their startup's objects (imports, model,
+    tokenizer) out of the garbage collector's walk, and ``/metrics`` shows each one's
+    collections and pauses by generation."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"prompt": "Collect me", "max_tokens": 4}
+    assert httpx.post(f"{text_server.v1}/completions", json=body, headers=text_server.headers,
+                      timeout=60).status_code == 200  # fmt: skip
+    processes = {("frontend", "frontend"), ("prefill", "p0"), ("decode", "d0")}
+    deadline = time.monotonic() + 10
+    while True:  # the workers' figures ride on their stats, at least once a second
+        text = httpx.get(f"{text_server.base_url}/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        frozen = {(s.labels["role"], s.labels["worker"]): s.value
+                  for s in families["ferry_gc_frozen_objects"].samples}  # fmt: skip
+        if set(frozen) == processes or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert set(frozen) == processes, frozen
+    assert all(n > 10_000 for n in frozen.values()), frozen  # torch's modules alone are more
+    for name in ("ferry_gc_collections", "ferry_gc_pause_seconds"):
+        rows = [s for s in families[name].samples if s.name.endswith("_total")]
+        assert {(s.labels["role"], s.labels["worker"], s.labels["generation"]) for s in rows} == {
+            (*p, g) for p in processes for g in "012"}  # fmt: skip
+        assert all(s.value >= 0 for s in rows)
+    longest = families["ferry_gc_longest_pause_seconds"].samples
+    assert {(s.labels["role"], s.labels["worker"]) for s in longest} == processes
+
+
 def _scraped_names(server: Server) -> set[str]:
     """Every sample name ``/metrics`` can show, from its families' names and types (a
     labelled family that has no sample yet still counts)."""
