@@ -2,7 +2,7 @@
 # The GPU engine's checks and benchmark in one command on the H200 (bench/README.md, GPU).
 #
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
-#                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served]
+#                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -17,7 +17,9 @@
 # models' byte tokenizer, 390 words ~2k); the served path at load: TPOT p50 of ferry serve
 # (aggregated, 8B shape, decode-heavy, concurrency 64) against the engine's own batch-64
 # step (schedule + runner + update) in the same run; the first 64 requests warm the server up
-# (kernel compiles) and the second point, under the same key, is the one recorded.
+# (kernel compiles) and the second point, under the same key, is the one recorded; speculative
+# decoding's arms (bench/spec_decode_gpu.py); a full garbage collection of the 8B engine before
+# and after freezing its startup (bench/gc_pause.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -89,6 +91,12 @@ for step in "$@"; do
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 16" \
         --commit "$COMMIT" --out "$OUT/served_c64_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -4 || status=1 ;;
+    spec)
+      $LIMIT python3 -m bench.spec_decode_gpu --out "$OUT/spec_decode_h200.json" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -12 || status=1 ;;
+    gc_pause)
+      $LIMIT python3 -m bench.gc_pause --device cuda --model dummy:llama3-8b --dtype bfloat16 \
+        --out "$OUT/gc_pause_h200.json" 2>&1 | tee -a "$OUT/steps.log" | tail -2 || status=1 ;;
     serve)
       python3 -m pytest -q -x -p no:cacheprovider tests/server/test_serve_cuda.py \
         2>&1 | tee "$OUT/serve.log" | tail -15 || status=1 ;;
