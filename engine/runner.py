@@ -52,6 +52,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardCo
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
 from engine.models.base import CausalLM, RopeTable, Spliced
+from engine.models.quant import decode_rows
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import UNRESOLVED
 from engine.sampler import (
@@ -392,7 +393,8 @@ class ModelRunner:
             return logits[_rows(rows, self.device)], hidden
         inputs = self.prepare(StepPlan(chunks=chunks))
         ctx = ForwardContext(inputs.meta, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx, inputs.spliced)
+        with decode_rows(_decode_row_mask(chunks) if self.device.type == "cpu" else None):
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx, inputs.spliced)
         self.num_forwards += 1
         if any(prompt_rows):
             self._prompt_logprobs(chunks, prompt_rows, hidden)
@@ -618,6 +620,18 @@ def step_inputs(
         sample_ids=[chunks[i].request_id for i in sampled],
     )
     return inputs, input_ids
+
+
+def _decode_row_mask(chunks: list[ScheduledChunk]) -> torch.Tensor | bool | None:
+    """Which of the step's token rows are decode rows (a chunk of one token plus its
+    drafts): True for all, None for none, else one bool per row (``quant.decode_rows``:
+    they take the same arithmetic whatever shares their step)."""
+    kinds = [c.sample and c.num_tokens == c.num_draft + 1 for c in chunks]
+    if all(kinds):
+        return True
+    if not any(kinds):
+        return None
+    return torch.tensor([k for c, k in zip(chunks, kinds) for _ in range(c.num_tokens)])
 
 
 def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:

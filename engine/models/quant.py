@@ -15,6 +15,14 @@ the call and runs torch's float32 GEMM, so it computes exactly what the fp32 pat
 and costs no more than it, give or take the dequantization. Without a C compiler every
 product takes that second path.
 
+Decode rows. The two paths round differently, so a token's logits would depend on what
+shares its step: a verify step of 8 requests with 2 drafts each has 24 rows and took the
+GEMM, where the same tokens decoded one step at a time took the kernel, and a near tie
+(2.7e-5 apart in log-probability) came out otherwise with speculation than without. The
+runner says which rows of a step are decode rows (a chunk of one token plus its drafts:
+``decode_rows``); those always take the integer kernel, whatever their number and
+whatever else the step runs, and the other rows choose by their own count.
+
 ``quantize_modules`` swaps a built model's ``nn.Linear`` / ``nn.Embedding`` modules for
 these before the weights are loaded, so the float32 matrices are never allocated; any
 model whose ``load_weights`` routes through ``load_into`` can use it.
@@ -23,6 +31,9 @@ model whose ``load_weights`` routes through ``load_into`` can use it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +48,22 @@ log = logging.getLogger("ferry.models")
 
 CPU_WEIGHTS = ("fp32", "int8", "int4")
 KERNEL_MAX_ROWS = 16  # more rows: dequantize + float32 GEMM (measured: bench/README.md)
+
+# the step's decode rows (module docstring): True, every row; a bool mask over the step's
+# tokens; None, not said (the row count decides)
+_DECODE_ROWS: ContextVar[torch.Tensor | bool | None] = ContextVar("decode_rows", default=None)
+
+
+@contextmanager
+def decode_rows(rows: torch.Tensor | bool | None) -> Iterator[None]:
+    """Within the block, the products over the step's tokens take the integer kernel for
+    ``rows`` (True: all of them; a bool mask, one entry per token) and choose by count for
+    the rest (module docstring)."""
+    token = _DECODE_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _DECODE_ROWS.reset(token)
 
 
 def _as_kind(tensor: torch.Tensor | QuantWeight, kind: int) -> QuantWeight:
@@ -83,14 +110,29 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1]).float().contiguous()
         kern = cpu_kernels()
-        if kern is not None and x.shape[0] <= KERNEL_MAX_ROWS:
-            y = kern.qgemm(x, self.weight_blocks, self.bias, gated=gated)
-        else:
-            if gated:
-                gate, up = x.chunk(2, dim=-1)
-                x = F.silu(gate) * up
-            y = F.linear(x, self._dense(kern), self.bias)
+        rows = _DECODE_ROWS.get()
+        if kern is None or rows is None or rows is True or rows.shape[0] != x.shape[0]:
+            y = self._rows(x, gated, kern, rows is True)
+        else:  # decode rows on the kernel, the others by their count
+            y = x.new_empty(x.shape[0], self.out_features)
+            decode = rows.nonzero().squeeze(1)
+            other = (~rows).nonzero().squeeze(1)
+            if decode.numel():
+                y[decode] = self._rows(x[decode].contiguous(), gated, kern, True)
+            if other.numel():
+                y[other] = self._rows(x[other].contiguous(), gated, kern, False)
         return y.reshape(*lead, self.out_features)
+
+    def _rows(self, x: torch.Tensor, gated: bool, kern: CpuKernels | None,
+              decode: bool) -> torch.Tensor:  # fmt: skip
+        """The product of ``x``'s rows: on the integer kernel when they are decode rows or
+        few enough, else the float32 GEMM."""
+        if kern is not None and (decode or x.shape[0] <= KERNEL_MAX_ROWS):
+            return kern.qgemm(x, self.weight_blocks, self.bias, gated=gated)
+        if gated:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        return F.linear(x, self._dense(kern), self.bias)
 
     def _dense(self, kern: CpuKernels | None) -> torch.Tensor:
         blocks = self.weight_blocks

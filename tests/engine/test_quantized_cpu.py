@@ -82,3 +82,38 @@ def test_quantized_model_holds_its_matrices_in_blocks(quantized, smollm2):
 def test_the_kernels_are_built_here():
     """The machines this project runs on have a C compiler: the fast path is what runs."""
     assert cpu_kernels() is not None
+
+
+def _int4_linear(in_features: int = 256, out_features: int = 96) -> QuantLinear:
+    import torch
+
+    from kernels.cpu_quant import Q4
+
+    torch.manual_seed(0)
+    layer = QuantLinear(in_features, out_features, Q4, bias=False)
+    layer.load(torch.randn(out_features, in_features) * 0.05, None)
+    return layer
+
+
+def test_a_decode_row_gets_the_same_arithmetic_whatever_shares_its_step():
+    """A verify step of 8 requests with 2 drafts each is 24 rows, past the kernel's row
+    count, and took the float GEMM where the same tokens decoded alone took the integer
+    kernel: a near tie came out otherwise with speculation. Decode rows (said by the
+    runner, ``decode_rows``) now take the kernel whatever their number, beside prefill
+    rows too, which keep the GEMM."""
+    import torch
+
+    from engine.models.quant import decode_rows
+
+    layer = _int4_linear()
+    x = torch.randn(3 * KERNEL_MAX_ROWS, layer.in_features)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert not torch.equal(layer(x), alone)  # by count: the GEMM rounds otherwise
+    with decode_rows(True):
+        assert torch.equal(layer(x), alone)
+    mask = torch.zeros(x.shape[0], dtype=torch.bool)
+    mask[::5] = True  # a mixed step: some decode rows among a prompt's
+    with decode_rows(mask):
+        mixed = layer(x)
+    assert torch.equal(mixed[mask], alone[mask])
+    assert torch.equal(mixed[~mask], layer(x[~mask]))  # the prompt's rows: by their count
