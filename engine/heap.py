@@ -5,10 +5,10 @@ Freezing. Everything a process creates while it starts — the imported modules,
 model's modules and tensors, the tokenizer, the KV block pool, the compiled kernels —
 lives as long as the process, yet every collection of the oldest generation walks all of
 it, stopping the process meanwhile: ~300k objects and 105 ms a collection on this
-engine's CPU worker with the default model. The serving loop's own objects are mostly
-freed by reference counting, and the collector walks them often, so such a collection
-comes every few thousand requests, and stalls one step for every request in it (one
-decode step of 64 streams ran 198 ms instead of 6 on an H200). ``freeze_startup``
+engine's CPU worker with the default model, longer than a decode step. Such a collection
+comes whenever the objects that outlived the young generations have grown by a quarter of
+the old generation, and stalls one step for every request in it (one decode step of 64
+streams ran 198 ms instead of 6 on an H200, most likely that). ``freeze_startup``
 collects once and moves what survives to the permanent generation (``gc.freeze``): later
 collections walk only what came after.
 
