@@ -93,19 +93,21 @@ class H200Costs:
     device_noise: float = 0.02  # each device time times exp(N(0, this))
     host_noise: float = 0.10  # each host time times exp(N(0, this))
 
+    def replayed(self, plan: StepPlan) -> bool:
+        """Whether a CUDA graph replays the step (decode, within the largest bucket)."""
+        return plan.is_decode and plan.num_tokens <= self.graph_s[-1][0]
+
     def forward(self, plan: StepPlan) -> float:
         rows = plan.num_tokens
-        decode = plan.is_decode
-        if decode and rows <= self.graph_s[-1][0]:
+        if self.replayed(plan):
             sizes = [b for b, _ in self.graph_s]
             return self.graph_s[bisect.bisect_left(sizes, rows)][1]
-        per = self.eager_row_s if decode else self.prefill_token_s
+        per = self.eager_row_s if plan.is_decode else self.prefill_token_s
         return max(self.eager_floor_s, self.eager_s + per * rows)
 
     def issue(self, plan: StepPlan) -> float:
         """Host time issuing the step's kernels: a graph replay's is in ``plan``."""
-        replayed = plan.is_decode and plan.num_tokens <= self.graph_s[-1][0]
-        return 0.0 if replayed else self.eager_issue_s
+        return 0.0 if self.replayed(plan) else self.eager_issue_s
 
     def sample(self, plan: StepPlan) -> float:
         drafts = plan.num_draft_tokens

@@ -71,6 +71,11 @@ class ScheduledChunk:
         return self.num_draft + 1 if self.sample else 0
 
     @property
+    def is_decode(self) -> bool:
+        """One token (plus its drafts) that samples: a decode row, not a prompt's."""
+        return self.sample and self.num_tokens == self.num_draft + 1
+
+    @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft :] if self.num_draft else []
 
@@ -104,7 +109,7 @@ class StepPlan:
     def is_decode(self) -> bool:
         """Every chunk one token (plus its drafts) that samples: the decode path, which
         replays CUDA graphs up to their largest size."""
-        return all(c.sample and c.num_tokens == c.num_draft + 1 for c in self.chunks)
+        return all(c.is_decode for c in self.chunks)
 
 
 @dataclass(frozen=True)

@@ -626,7 +626,7 @@ def _decode_row_mask(chunks: list[ScheduledChunk]) -> torch.Tensor | bool | None
     """Which of the step's token rows are decode rows (a chunk of one token plus its
     drafts): True for all, None for none, else one bool per row (``quant.decode_rows``:
     they take the same arithmetic whatever shares their step)."""
-    kinds = [c.sample and c.num_tokens == c.num_draft + 1 for c in chunks]
+    kinds = [c.is_decode for c in chunks]
     if all(kinds):
         return True
     if not any(kinds):
@@ -637,9 +637,7 @@ def _decode_row_mask(chunks: list[ScheduledChunk]) -> torch.Tensor | bool | None
 def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
     """When every chunk is one token plus drafts (some with drafts), each token as a
     one-token chunk of its own over its sequence's blocks; else None."""
-    if not any(c.num_draft for c in chunks) or any(
-        not c.sample or c.num_tokens != c.num_draft + 1 for c in chunks
-    ):
+    if not any(c.num_draft for c in chunks) or not all(c.is_decode for c in chunks):
         return None
     return [
         ScheduledChunk(c.request_id, [t], c.start_pos + j, c.block_ids, True)

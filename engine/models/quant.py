@@ -10,9 +10,9 @@
 A GGUF's own Q4_0 / Q4_1 / Q8_0 blocks are taken as they are (``QuantWeight``: exact);
 float weights, or blocks of another kind, are (re)quantized at load. A product with at
 most ``KERNEL_MAX_ROWS`` rows (decode) runs on the integer kernel, which rounds the
-activations to 16-bit integers per block of 32; a longer one (prefill) dequantizes the weight for
-the call and runs torch's float32 GEMM, so it computes exactly what the fp32 path does
-and costs no more than it, give or take the dequantization. Without a C compiler every
+activations to 16-bit integers per block of 32; a longer one (prefill) dequantizes the
+weight for the call and runs torch's float32 GEMM, so it computes exactly what the fp32
+path does and costs no more than it, give or take the dequantization. Without a C compiler every
 product takes that second path.
 
 Decode rows. The two paths round differently, so a token's logits would depend on what
