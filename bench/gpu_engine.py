@@ -68,6 +68,23 @@ def _cuda_time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def _top_kernels(fn, top: int = 15) -> list[dict]:
+    """The kernels of one ``fn()`` by total time, from torch's profiler (the CPU's own
+    operators in a dry run without a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync()
+
+    def us(e) -> float:
+        return e.device_time_total if cuda else e.self_cpu_time_total
+
+    rows = sorted((e for e in prof.key_averages() if us(e) > 0), key=lambda e: -us(e))
+    return [{"name": e.key[:120], "calls": e.count, "ms": us(e) / 1e3} for e in rows[:top]]
+
+
 def _events_ms(fn, repeats: int) -> float:
     """GPU time of one ``fn()`` in ms: ``repeats`` calls back to back between two events."""
     for _ in range(3):
@@ -356,13 +373,14 @@ class Bench:
                     })  # fmt: skip
         return out
 
-    def prefill(self, tokens: int, repeats: int) -> dict:
+    def prefill(self, tokens: int, repeats: int, profile: bool = False) -> dict:
         cfg = self.config
         (rid,) = self._register(1)
         blocks = list(range(1, 1 + -(-tokens // BLOCK)))
         prompt = [(7 + 13 * j) % cfg.vocab_size for j in range(tokens)]  # routed apart
         plan = StepPlan(chunks=[ScheduledChunk(rid, prompt, 0, blocks, True)])
         seconds = _cuda_time(lambda: self.runner.execute(plan), repeats)
+        kernels = _top_kernels(lambda: self.runner.execute(plan)) if profile else None
         self.runner.execute(StepPlan(finished_ids=[rid]))
         attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * tokens / 2
         # every layer's weights for every token; the vocabulary projection for the last only
@@ -373,6 +391,7 @@ class Bench:
             "tok_s": tokens / seconds,
             "tflop_s": flops / seconds / 1e12,
             "fraction_of_matmul_peak": flops / seconds / MATMUL_PEAK,
+            **({"top_kernels": kernels} if kernels else {}),
         }
 
 
@@ -532,6 +551,8 @@ def main() -> None:
     parser.add_argument("--skinny-ab", default="1x1024,4x1024",
                         help="decode points timed with and without the skinny GEMV")  # fmt: skip
     parser.add_argument("--prefill", default="2048,8192")
+    parser.add_argument("--profile-prefill", action="store_true",
+                        help="record each prefill's top GPU kernels (torch's profiler)")
     parser.add_argument("--hf-points", default="1x1024,64x1024")
     parser.add_argument("--engine-step", default="64x1024", help="BxL, or empty to skip")
     parser.add_argument("--commit", help="commit to record (default: git's, where there is one)")
@@ -563,7 +584,10 @@ def main() -> None:
     decode_eager = [bench.decode(b, c, args.repeats, eager=True) for b, c in eager_points]
     ab_points = parse(args.skinny_ab) if args.device == "cuda" else []
     skinny_ab = bench.skinny_ab(ab_points, args.repeats) if ab_points else []
-    prefill = [bench.prefill(t, max(2, args.repeats // 5)) for t in prefill_lens]
+    prefill = [
+        bench.prefill(t, max(2, args.repeats // 5), profile=args.profile_prefill)
+        for t in prefill_lens
+    ]
     gqa_cuda = args.device == "cuda" and bench.config.mla is None  # the next two index GQA
     kernel_points = [(1, 1024), (64, 1024), (64, 8192)] if gqa_cuda else []
     kernels = [bench.kernels(b, c) for b, c in kernel_points]
@@ -633,6 +657,8 @@ def print_report(report: dict) -> None:
     for p in report["prefill"]:
         print(f"prefill {p['tokens']:>5} tokens: {p['ms']:.1f} ms, {p['tflop_s']:.0f} TFLOP/s = "
               f"{p['fraction_of_matmul_peak']:.0%} of matmul peak")  # fmt: skip
+        for k in p.get("top_kernels", []):
+            print(f"  {k['ms']:8.2f} ms {k['calls']:5d}x  {k['name'][:90]}")
     for k in report["kernels"]:
         cells = ", ".join(
             f"{n} {v['us']:.1f}us {v['gb_s']:.0f}GB/s" for n, v in k.items() if isinstance(v, dict)

@@ -67,7 +67,7 @@ for step in "$@"; do
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -40 || status=1 ;;
     ds_step)
       $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
-        --eager-points 1x1024 --skinny-ab "" --prefill 4096 --engine-step "" --repeats 10 \
+        --eager-points 1x1024 --skinny-ab "" --prefill 4096 --profile-prefill --engine-step "" --repeats 10 \
         --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l.json" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
     ds_serve)
