@@ -42,7 +42,8 @@ budget per step it was asked, the step-cost model's relative error and the accep
 estimate's mean error, the steps that verified, the guard's blocked and probe steps and
 the steps that explored an unmeasured size. The dynamic arm's steps are traced one line
 each (``*_trace.jsonl``: point, tokens, drafts, tokens yielded, wall interval, device
-time, predicted time, the guard's cumulative blocked and probe counts). At the end the
+time, predicted time, the guard's cumulative blocked and probe counts, the median host
+time of a step and the wait the policy prices a step with drafts at). At the end the
 JSON, the PNG and the trace are packed into one ``.tar.gz`` beside the JSON (the trace
 lives only there).
 """
@@ -159,11 +160,13 @@ class TracedSpecDecoding(SpecDecoding):
             round(timing.forward_s + timing.sample_s + timing.draft_s, 6),
             None if predicted is None else round(predicted, 6),
             guard.blocked if guard else 0, guard.probes if guard else 0,
+            round(self.host.value(), 6), round(self.exposed_host_s(), 6),
         ])  # fmt: skip
 
 
 TRACE_FIELDS = ["point", "tokens", "drafts", "yielded", "interval_s", "device_s",
-                "predicted_s", "guard_blocked", "guard_probes"]  # fmt: skip
+                "predicted_s", "guard_blocked", "guard_probes", "host_s",
+                "exposed_host_s"]  # fmt: skip
 
 
 def arm_cores(core: EngineCore, drafter: Drafter, method: str) -> dict[str, Callable]:

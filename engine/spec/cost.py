@@ -61,17 +61,23 @@ class MedianEstimator:
 
     def __init__(self, window: int = 9, min_samples: int = 5) -> None:
         self._samples: deque[float] = deque(maxlen=window)
+        self._median: float | None = None
         self.min_samples = min_samples
 
     def add(self, value: float) -> None:
         self._samples.append(value)
+        self._median = None
 
     @property
     def ready(self) -> bool:
         return len(self._samples) >= self.min_samples
 
     def value(self, default: float = 0.0) -> float:
-        return statistics.median(self._samples) if self.ready else default
+        if not self.ready:
+            return default
+        if self._median is None:  # asked several times a step, added to once
+            self._median = statistics.median(self._samples)
+        return self._median
 
 
 def graph_size(tokens: int) -> int:
@@ -96,6 +102,7 @@ class ForwardTimeEstimator:
         self.group_window = group_window
         self.min_group = min_group
         self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
+        self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
         self._cache: dict[bool, tuple[list[int], list[Point], bool]] | None = None
         # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
@@ -107,15 +114,21 @@ class ForwardTimeEstimator:
         if group is None:
             group = self._groups[key] = deque(maxlen=self.group_window)
         group.append((tokens, seconds))
+        self._group_points.pop(key, None)
         self._points = self._cache = None
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:
             points: dict[bool, list[tuple[int, Point]]] = {False: [], True: []}
-            for (decode, size), g in sorted(self._groups.items()):
+            for key, g in sorted(self._groups.items()):
                 if len(g) >= self.min_group:
-                    point = (statistics.median(t for t, _ in g), statistics.median(s for _, s in g))
-                    points[decode].append((size, point))
+                    point = self._group_points.get(key)
+                    if point is None:  # only the group a sample came to is priced again
+                        point = self._group_points[key] = (
+                            statistics.median(t for t, _ in g),
+                            statistics.median(s for _, s in g),
+                        )  # fmt: skip
+                    points[key[0]].append((key[1], point))
             self._points = points
         return self._points
 

@@ -52,6 +52,7 @@ choose *how many* drafts (the policy does), only whether the policy's choice may
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.spec.cost import graph_size
@@ -66,16 +67,44 @@ GUARD_MIN_SAMPLES = 4  # samples of each mode before the guard decides
 MAX_GAP_FACTOR = 20.0  # an interval past this many times the step's device time: a stall
 
 
+class _Window:
+    """The last ``GUARD_WINDOW`` (tokens, seconds) samples and their sums, kept as they
+    come (the guard reads a regime's rates several times a step)."""
+
+    __slots__ = ("samples", "tokens", "seconds")
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[int, float]] = deque()
+        self.tokens, self.seconds = 0, 0.0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return iter(self.samples)
+
+    def append(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+        self.tokens += tokens
+        self.seconds += seconds
+        if len(self.samples) > GUARD_WINDOW:
+            old_tokens, old_seconds = self.samples.popleft()
+            self.tokens -= old_tokens
+            self.seconds -= old_seconds
+
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
 @dataclass
 class _Regime:
-    samples: dict[bool, deque[tuple[int, float]]] = field(
-        default_factory=lambda: {m: deque(maxlen=GUARD_WINDOW) for m in (False, True)}
-    )
+    samples: dict[bool, _Window] = field(default_factory=lambda: {False: _Window(),
+                                                                  True: _Window()})  # fmt: skip
     steps: int = 0
     probe_left: int = 0
     probe_mode: bool = False
     due: bool = False  # a probe fell due on a step the guard was not asked about (``tick``)
-    device: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=GUARD_WINDOW))
+    device: _Window = field(default_factory=_Window)
 
 
 class RealizedGainGuard:
@@ -102,18 +131,13 @@ class RealizedGainGuard:
         r = self._regimes.get(key)
         if r is None or len(r.samples[speculated]) < GUARD_MIN_SAMPLES:
             return None
-        tokens = sum(t for t, _ in r.samples[speculated])
-        seconds = sum(s for _, s in r.samples[speculated])
-        return tokens / seconds if seconds > 0 else None
+        return r.samples[speculated].rate()
 
     def ceiling(self, key: tuple[int, bool]) -> float | None:
         """The most tokens per second steps without drafts can reach in a regime: their
         tokens over their device time (None: no such step yet)."""
         r = self._regimes.get(key)
-        if r is None or not r.device:
-            return None
-        seconds = sum(s for _, s in r.device)
-        return sum(t for t, _ in r.device) / seconds if seconds > 0 else None
+        return None if r is None else r.device.rate()
 
     def favours(self, key: tuple[int, bool]) -> bool:
         """Whether speculation is allowed outside probes (True until both modes are
@@ -171,10 +195,10 @@ class RealizedGainGuard:
         self._last_mode = speculated
         if switched or seconds <= 0:
             return
-        self._get(key).samples[speculated].append((tokens, seconds))
+        self._get(key).samples[speculated].append(tokens, seconds)
 
     def record_device(self, key: tuple[int, bool], tokens: int, seconds: float) -> None:
         """A step of this regime without drafts yielded ``tokens`` in ``seconds`` of
         device time (``ceiling``)."""
         if seconds > 0:
-            self._get(key).device.append((tokens, seconds))
+            self._get(key).device.append(tokens, seconds)

@@ -131,6 +131,9 @@ class SpecDecoding:
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
         self._planned: dict[str, list[float]] = {}  # survival of the drafts being verified
         self.host = MedianEstimator()  # host seconds per step: plan, launch, fold back
+        # lagged: the device's idle seconds before a step that verified drafts, measured
+        # (its wall interval less its device time); the host time stands in until then
+        self.exposed = MedianEstimator()
         self._graph_rows = 0  # decode steps of up to this many rows replay graphs
         if guard is None:
             guard = config.schedule == "dynamic"
@@ -270,8 +273,10 @@ class SpecDecoding:
             ]
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
-        host = self.host.value()  # under overlap only a step with drafts waits for it
-        exposed, every = (host, 0.0) if self.lagged else (0.0, host)
+        if self.lagged:  # under overlap only a step with drafts waits for the host
+            exposed, every = self.exposed_host_s(), 0.0
+        else:
+            exposed, every = 0.0, self.host.value()
         step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit,
                           every)  # fmt: skip
         explored = getattr(self.policy, "explored", 0)
@@ -325,11 +330,14 @@ class SpecDecoding:
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
                                 timing.draft_s, decode)  # fmt: skip
             sampling = sum(c.sample for c in plan.chunks)
+            timed = interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)
+            if timed and verified and self.lagged and self._graph_replayed(plan):
+                self.exposed.add(max(interval - measured, 0.0))
             if self.guard is not None and sampling:
                 yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
                 key = self.guard.regime(sampling, not decode)
                 device = timing.forward_s + timing.sample_s
-                if interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4):
+                if timed:
                     if not verified:  # as it would run with the drafter resting
                         interval = max(device, interval - timing.draft_s)
                     self.guard.record(key, verified > 0, yielded, interval)
@@ -355,9 +363,19 @@ class SpecDecoding:
         them, so its long launch hides behind its own forward and says nothing of the
         wait after a step with drafts (counted, a wave of new prompts lifted the median
         to ~10 ms on an H200 and the policy stopped verifying drafts at 16 streams)."""
-        rows = self._graph_rows or plan.num_tokens
-        if not self.lagged or (plan.is_decode and plan.num_tokens <= rows):
+        if not self.lagged or self._graph_replayed(plan):
             self.host.add(seconds)
+
+    def _graph_replayed(self, plan: StepPlan) -> bool:
+        """A decode step, of no more rows than the graphs hold where there are graphs."""
+        return plan.is_decode and plan.num_tokens <= (self._graph_rows or plan.num_tokens)
+
+    def exposed_host_s(self) -> float:
+        """Under overlap, the seconds the device waits before a step that verifies drafts:
+        measured on such decode steps (wall interval less device time), the median host
+        time of a step until five are (a proxy: it counts host work that overlaps the
+        device's and misses what else the wait holds)."""
+        return self.exposed.value(self.host.value())
 
     def forget(self, request_id: str) -> None:
         """The request ended."""
