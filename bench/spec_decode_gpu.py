@@ -40,8 +40,8 @@ ends within ~8 minutes on an H200) the points left are recorded as skipped.
 Each record holds, beside tok/s: the drafts verified per verifying step and the policy's
 budget per step it was asked, the step-cost model's relative error and the acceptance
 estimate's mean error, the steps that verified, the guard's blocked and probe steps and
-the steps that explored an unmeasured size. The dynamic arm's steps are traced one line
-each (``*_trace.jsonl``: point, tokens, drafts, tokens yielded, wall interval, device
+the steps that explored an unmeasured size. Every arm's steps are traced one line each
+(``*_trace.jsonl``: arm, point, tokens, drafts, tokens yielded, wall interval, device
 time, predicted time, the guard's cumulative blocked and probe counts, the median host
 time of a step and the wait the policy prices a step with drafts at). At the end the
 JSON, the PNG and the trace are packed into one ``.tar.gz`` beside the JSON (the trace
@@ -137,8 +137,9 @@ def use(core: EngineCore, spec: SpecDecoding, drafter: Drafter | None) -> Engine
 class TracedSpecDecoding(SpecDecoding):
     """``SpecDecoding`` that keeps one line per step it observes (module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, arm: str = "", **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.arm = arm
         self.trace: list[list] = []
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
@@ -155,7 +156,7 @@ class TracedSpecDecoding(SpecDecoding):
         interval = None if last is None else self._last_outcome - last
         guard = self.guard
         self.trace.append([
-            point, plan.num_tokens, plan.num_draft_tokens, yielded,
+            self.arm, point, plan.num_tokens, plan.num_draft_tokens, yielded,
             None if interval is None else round(interval, 6),
             round(timing.forward_s + timing.sample_s + timing.draft_s, 6),
             None if predicted is None else round(predicted, 6),
@@ -164,20 +165,18 @@ class TracedSpecDecoding(SpecDecoding):
         ])  # fmt: skip
 
 
-TRACE_FIELDS = ["point", "tokens", "drafts", "yielded", "interval_s", "device_s",
+TRACE_FIELDS = ["arm", "point", "tokens", "drafts", "yielded", "interval_s", "device_s",
                 "predicted_s", "guard_blocked", "guard_probes", "host_s",
                 "exposed_host_s"]  # fmt: skip
 
 
 def arm_cores(core: EngineCore, drafter: Drafter, method: str) -> dict[str, Callable]:
     """Arm name -> readies ``core`` for that arm, each arm its own ``SpecDecoding``."""
-    specs = {
-        a.name: (TracedSpecDecoding if a.name == "dynamic" else SpecDecoding)(
-            a.speculative, 0, lagged=core.overlap)
-        for a in arms(method)
-    }  # fmt: skip
+    specs = {a.name: TracedSpecDecoding(a.speculative, 0, lagged=core.overlap, arm=a.name)
+             for a in arms(method)}  # fmt: skip
     runs = {name: (lambda s=s: use(core, s, drafter)) for name, s in specs.items()}
-    runs["dynamic"].spec = specs.get("dynamic")  # type: ignore[attr-defined]
+    for name, spec in specs.items():
+        runs[name].spec = spec  # type: ignore[attr-defined]
     return runs
 
 
@@ -348,12 +347,13 @@ def main() -> None:
     plot(records, args.out.with_suffix(".png"), result["title"])
     for line in result["summary"]:
         log(line)
-    archive = pack(args.out, cores["dynamic"].spec.trace)  # type: ignore[attr-defined]
+    trace = [row for run in cores.values() for row in run.spec.trace]  # type: ignore[attr-defined]
+    archive = pack(args.out, trace)
     log(f"wrote {args.out} and {archive} in {time.perf_counter() - start:.0f} s")
 
 
 def pack(out: Path, trace: list[list]) -> Path:
-    """The JSON, its PNG (where drawn) and the dynamic arm's step trace in one archive."""
+    """The JSON, its PNG (where drawn) and every arm's step trace in one archive."""
     archive = out.with_suffix(".tar.gz")
     lines = [json.dumps(TRACE_FIELDS)] + [json.dumps(row) for row in trace]
     with tarfile.open(archive, "w:gz") as tar:
