@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", type=Path,
                         help="another checkout to measure side by side (an older commit)")
     parser.add_argument("--out", default="bench/results/pd_vs_aggregated_cpu.json")
+    parser.add_argument("--logs", type=Path,
+                        help="keep each server's log in this folder (default: a temporary one)")
     args = parser.parse_args(argv)
     flags = {
         "aggregated": ["--aggregated"],
@@ -137,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {name: {} for name in roots}
     for topo in args.topologies:
         common = ["--model", args.model, "--threads", str(args.threads), *args.serve_flags.split()]
-        servers = {name: serve([*common, *flags[topo]], tmp / f"{name}-{topo}.log", root)
+        logs = args.logs or tmp
+        logs.mkdir(parents=True, exist_ok=True)
+        servers = {name: serve([*common, *flags[topo]], logs / f"{name}-{topo}.log", root)
                    for name, root in roots.items()}  # fmt: skip
         try:
             for name in roots:
