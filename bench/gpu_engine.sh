@@ -17,8 +17,9 @@
 # models' byte tokenizer, 390 words ~2k); the served path at load: TPOT p50 of ferry serve
 # (aggregated, 8B shape, decode-heavy, concurrency 64) against the engine's own batch-64
 # step (schedule + runner + update) in the same run; the first 64 requests warm the server up
-# (kernel compiles) and the second point, under the same key, is the one recorded (ds_serve
-# too, at 8, its server log kept); speculative
+# (kernel compiles) and the second point, under the same key, is the one recorded (its
+# prompts are the first's: ~half its prompt tokens come from the prefix cache); ds_serve
+# keeps the server's log in $OUT/logs; speculative
 # decoding's arms (bench/spec_decode_gpu.py); a full garbage collection of the 8B engine before
 # and after freezing its startup (bench/gc_pause.py).
 set -uo pipefail
@@ -73,7 +74,7 @@ for step in "$@"; do
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
     ds_serve)
       $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
-        --concurrency 1 8 8 --num-requests 4 16 16 --input-len 256 --output-len 64 --logs "$OUT/logs" \
+        --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 --logs "$OUT/logs" \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
         --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
