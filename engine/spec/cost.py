@@ -37,6 +37,13 @@
   step's tokens are below its group's median (a long prefill at high load, whose drafts
   then cost a whole step's host wait for a few tokens).
 
+  A group no step has come to for ``stale_after`` steps is forgotten (two always stay),
+  so its size counts as unmeasured again (and is explored again, ``engine.spec.policy``):
+  the first steps
+  of a size pay one-time costs (a kernel compiled, a GEMM's plan made: 20-110 ms a step
+  of the CPU's tiny model, ~1 ms after), and a group they made dear was never chosen
+  again, so never measured again (a lone request verified 3 drafts where 5 paid).
+
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
   unmeasured size is worth *exploring* (``measured`` says whether it is, ``frontier``
@@ -94,13 +101,20 @@ def graph_size(tokens: int) -> int:
 
 Point = tuple[float, float]  # median tokens, median seconds of one group
 
+STALE_AFTER = 512  # steps without a sample after which a group is forgotten (docstring)
+PRUNE_EVERY = 32  # steps between two looks for such groups
+
 
 class ForwardTimeEstimator:
     """Forward time per step size and kind (module docstring)."""
 
-    def __init__(self, group_window: int = 24, min_group: int = 3) -> None:
+    def __init__(self, group_window: int = 24, min_group: int = 3,
+                 stale_after: int = STALE_AFTER) -> None:  # fmt: skip
         self.group_window = group_window
         self.min_group = min_group
+        self.stale_after = stale_after
+        self._added = 0  # samples taken so far
+        self._last: dict[tuple[bool, int], int] = {}  # per group: its latest sample's number
         self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
         self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
@@ -114,8 +128,17 @@ class ForwardTimeEstimator:
         if group is None:
             group = self._groups[key] = deque(maxlen=self.group_window)
         group.append((tokens, seconds))
+        self._added += 1
+        self._last[key] = self._added
         self._group_points.pop(key, None)
         self._points = self._cache = None
+        if self._added % PRUNE_EVERY == 0:
+            # the stale ones, oldest first, while two groups stay (``ready`` needs two)
+            stale = sorted((n, k) for k, n in self._last.items()
+                           if self._added - n > self.stale_after)  # fmt: skip
+            for _, old in stale[: max(len(self._groups) - 2, 0)]:
+                del self._groups[old], self._last[old]
+                self._group_points.pop(old, None)
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:

@@ -648,6 +648,33 @@ def test_guard_times_a_step_without_drafts_as_with_the_drafter_resting():
     assert list(spec.guard._regimes[key].samples[False]) == [(1, 0.015), (1, 0.008)]
 
 
+def test_a_size_made_dear_by_its_first_steps_is_measured_again_once_stale():
+    """The first steps of a size pay one-time costs (a kernel compiled, a GEMM planned):
+    priced from them, the size was never chosen again and so never measured again. A
+    group no step came to for ``stale_after`` steps is forgotten: its size is explored
+    again, and the policy goes back to verifying every draft of a lone request."""
+    policy = DynamicPolicy()
+    forward = policy.cost.forward
+    forward.stale_after = 64
+    def cost(tokens: int) -> float:
+        return 0.001 * (1 + 0.02 * (tokens - 1))
+
+    for _ in range(3):  # 6 tokens (bucket 8): its three first steps took 30 ms each
+        policy.observe(6, 0.030, 0.0001, 0.0, True)
+        for tokens in (1, 4):
+            policy.observe(tokens, cost(tokens), 0.0001, 0.0, True)
+    curves = [survival([0.8, 0.7, 0.6, 0.5, 0.4])]
+    step = VerifyStep(curves, curves, 1, 1, decode=True)
+    chosen = []
+    for _ in range(200):
+        (n,) = policy.lengths(step)
+        chosen.append(n)
+        policy.observe(1 + n, cost(1 + n), 0.0001, 0.0, True)
+    assert chosen[:20] == [3] * 20  # six tokens priced at 30 ms: four is the most that pays
+    assert chosen[-100:] == [5] * 100  # forgotten, explored, measured: every draft pays
+    assert forward.measured(6, True)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_forward_times_in_one_pass_equal_time_of_each(seed):
     rng = random.Random(seed)
