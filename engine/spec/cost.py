@@ -39,10 +39,10 @@
 
   A group no step has come to for ``stale_after`` steps is forgotten (two always stay),
   so its size counts as unmeasured again (and is explored again, ``engine.spec.policy``):
-  the first steps
-  of a size pay one-time costs (a kernel compiled, a GEMM's plan made: 20-110 ms a step
-  of the CPU's tiny model, ~1 ms after), and a group they made dear was never chosen
-  again, so never measured again (a lone request verified 3 drafts where 5 paid).
+  the first steps of a size pay one-time costs (a kernel compiled, a GEMM's plan made:
+  20-110 ms a step of the CPU's tiny model, ~1 ms after), and a group they made dear was
+  never chosen again, so never measured again (a lone request verified 3 drafts where 5
+  paid).
 
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
