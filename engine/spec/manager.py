@@ -135,6 +135,12 @@ class SpecDecoding:
         # (its wall interval less its device time); the host time stands in until then
         self.exposed = MedianEstimator()
         self._graph_rows = 0  # decode steps of up to this many rows replay graphs
+        # lagged: whether a step is running while the next is planned (the engine says,
+        # each plan). Only then is the total priced from the curves of the plan before
+        # (budget from step N-2): after a step with drafts, which never overlaps, the
+        # latest curves are known, and the lag cut a lone request to 3 drafts after its
+        # first stale proposal, where 5 paid
+        self.in_flight = True
         if guard is None:
             guard = config.schedule == "dynamic"
         self.guard = RealizedGainGuard() if guard and self.enabled else None
@@ -266,7 +272,7 @@ class SpecDecoding:
         for them."""
         curves = [c.curve for c in candidates]
         budget_curves = curves
-        if self.lagged:
+        if self.lagged and self.in_flight:  # the last step's outcome is not back yet
             budget_curves = [
                 self._last_curve.get(c.request.request_id, c.curve)[: len(c.curve)]
                 for c in candidates

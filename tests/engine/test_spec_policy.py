@@ -204,6 +204,23 @@ def test_under_overlap_a_step_with_drafts_is_priced_at_the_wait_measured_before_
     assert step.exposed_host_s == pytest.approx(0.0015) and step.host_s == 0.0
 
 
+def test_under_overlap_only_a_plan_made_while_a_step_runs_prices_the_total_from_the_last_curves():
+    """Budget from step N-2 while step N-1 is in flight; once its outcome is back (a step
+    with drafts never overlaps) the latest curves price it: lagged there, a lone request
+    verified 3 drafts after its first stale proposal where 5 paid."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=5, schedule="dynamic")
+    spec = SpecDecoding(config, lagged=True, guard=False)
+    asked = []
+    spec.policy.lengths = lambda step: asked.append(step) or [len(c) for c in step.curves]
+    req = request("r0")
+    for n, in_flight in ((3, True), (5, True), (3, True), (5, False)):
+        spec._proposals["r0"] = Proposal(req.num_tokens, [1] * n, [0.9] * n)
+        spec.in_flight = in_flight
+        spec.lengths([spec.drafts_for(req, 5)], 1, 1)
+    assert [len(step.curves[0]) for step in asked] == [3, 5, 3, 5]
+    assert [len(step.budget_curves[0]) for step in asked] == [3, 3, 3, 5]
+
+
 def test_dynamic_charges_drafting_only_to_steps_with_drafts():
     """The drafter's proposals are for the next step: a step without drafts lets it rest.
     Counted in every step, 4 ms of drafting made a 20% draft on a 10 ms step look worth
