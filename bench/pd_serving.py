@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline is not None:
         report["baseline_commit"] = _commit(args.baseline)
     results: dict[str, dict] = {name: {} for name in roots}
+    logs = args.logs or tmp
+    logs.mkdir(parents=True, exist_ok=True)
     for topo in args.topologies:
         common = ["--model", args.model, "--threads", str(args.threads), *args.serve_flags.split()]
-        logs = args.logs or tmp
-        logs.mkdir(parents=True, exist_ok=True)
         servers = {name: serve([*common, *flags[topo]], logs / f"{name}-{topo}.log", root)
                    for name, root in roots.items()}  # fmt: skip
         try:

@@ -306,7 +306,6 @@ class SimEngine:
         launched = None
         host = self.host
         if self.scheduler.has_work:
-            self.spec.in_flight = previous is not None
             launched = self._launch(self.scheduler.schedule())
         host_s = self.host - host
         if previous is not None:

@@ -315,7 +315,6 @@ class EngineCore:
         launched = None
         start = time.perf_counter()
         if self.scheduler.has_work:
-            self.scheduler.spec.in_flight = previous is not None
             plan = self.scheduler.schedule()
             launched = (plan, self.runner.launch(plan))
         host_s = time.perf_counter() - start

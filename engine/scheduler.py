@@ -209,6 +209,7 @@ class Scheduler:
         count its tokens as computed and give each sampling request an UNRESOLVED output
         token, which ``update`` replaces once the step's tokens are in. The next plan then
         feeds that token to the model straight from the device."""
+        self.spec.running()
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not Status.RUNNING:

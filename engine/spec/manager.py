@@ -135,11 +135,12 @@ class SpecDecoding:
         # (its wall interval less its device time); the host time stands in until then
         self.exposed = MedianEstimator()
         self._graph_rows = 0  # decode steps of up to this many rows replay graphs
-        # lagged: whether a step is running while the next is planned (the engine says,
-        # each plan). Only then is the total priced from the curves of the plan before
-        # (budget from step N-2): after a step with drafts, which never overlaps, the
-        # latest curves are known, and the lag cut a lone request to 3 drafts after its
-        # first stale proposal, where 5 paid
+        # lagged: whether a step is running while the next is planned (``running``, until
+        # ``observe`` takes its outcome). Only then is the total priced from the curves of
+        # the plan before (budget from step N-2): after a step with drafts, which never
+        # overlaps, the latest curves are known, and the lag cut a lone request to 3
+        # drafts after its first stale proposal, where 5 paid. Before the first step it
+        # says nothing: no plan before has curves to lag by
         self.in_flight = True
         if guard is None:
             guard = config.schedule == "dynamic"
@@ -299,8 +300,13 @@ class SpecDecoding:
         """The step being planned verifies drafts of ``request_id`` with these survivals."""
         self._planned[request_id] = curve
 
+    def running(self) -> None:
+        """The step just launched runs on while the next is planned (overlap)."""
+        self.in_flight = True
+
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Take in a step's outcome: next proposals, times, kept drafts."""
+        self.in_flight = False
         counters = self.counters
         self.fresh = bool(result.proposals)
         for rid, proposal in result.proposals.items():

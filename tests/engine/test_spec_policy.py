@@ -215,7 +215,10 @@ def test_under_overlap_only_a_plan_made_while_a_step_runs_prices_the_total_from_
     req = request("r0")
     for n, in_flight in ((3, True), (5, True), (3, True), (5, False)):
         spec._proposals["r0"] = Proposal(req.num_tokens, [1] * n, [0.9] * n)
-        spec.in_flight = in_flight
+        if in_flight:
+            spec.running()  # else the outcome of the last step is in: observed
+        else:
+            spec.observe(StepPlan([]), StepResult({}))
         spec.lengths([spec.drafts_for(req, 5)], 1, 1)
     assert [len(step.curves[0]) for step in asked] == [3, 5, 3, 5]
     assert [len(step.budget_curves[0]) for step in asked] == [3, 3, 3, 5]
