@@ -473,17 +473,17 @@ def _name(cfg) -> str:
 def _build(cfg) -> float:
     start = time.perf_counter()
     builder = {
-        dec.DecodeConfig: dec.build_decode_kernel,
-        pre.PrefillConfig: pre.build_prefill_kernel,
-        nrc.NormConfig: nrc.build_norm_kernel,
-        nrc.RopeConfig: nrc.build_rope_kernel,
-        nrc.CacheWriteConfig: nrc.build_cache_write_kernel,
-        gv.GemvConfig: gv.build_gemv_kernel,
-        act.SiluMulConfig: act.build_silu_mul_kernel,
-        mla.MLADecodeConfig: mla.build_mla_decode_kernel,
-        moe.GroupedGemmConfig: moe.build_grouped_gemm_kernel,
+        dec.DecodeConfig: dec.decode_build,
+        pre.PrefillConfig: pre.prefill_build,
+        nrc.NormConfig: nrc.norm_build,
+        nrc.RopeConfig: nrc.rope_build,
+        nrc.CacheWriteConfig: nrc.cache_write_build,
+        gv.GemvConfig: gv.gemv_build,
+        act.SiluMulConfig: act.silu_mul_build,
+        mla.MLADecodeConfig: mla.mla_decode_build,
+        moe.GroupedGemmConfig: moe.grouped_gemm_build,
     }[type(cfg)]
-    builder(cfg)
+    builder(cfg).build()
     return time.perf_counter() - start
 
 

@@ -18,7 +18,7 @@ import msgspec
 import torch
 
 from engine.attention import build_backend
-from engine.config import CacheConfig, EngineConfig, SpeculativeConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.ep.experts import ExpertParallel
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
@@ -57,6 +57,19 @@ log = logging.getLogger("ferry.engine")
 _GRAMMAR_POLL_S = 0.005  # with nothing to run but grammars compiling: how long a step waits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_WARM_UP_TOKENS = 16
+
+
+def warm_up_tokens(device: str, sched: SchedulerConfig, max_model_len: int) -> tuple[int, ...]:
+    """The prefill sizes an engine runs once before it serves (``ModelRunner.warm_up``).
+    On CUDA one token (the eager decode path) and a whole step's token budget: the
+    largest activations a step allocates, so a budget that does not fit fails at start,
+    and the kernels and library plans of the largest steps; the first request of
+    deepseek-v3-4l waited 0.3-0.76 s before (bench/results/startup_h200.json). On the
+    CPU a short prompt: the one-time costs of a first forward."""
+    if torch.device(device).type != "cuda":
+        return (min(CPU_WARM_UP_TOKENS, max_model_len),)
+    return tuple(sorted({1, min(sched.max_num_batched_tokens, max_model_len)}))
 
 
 class EngineCore:
@@ -75,8 +88,9 @@ class EngineCore:
         into CUDA graphs only where its dispatcher can be.
 
         ``startup``: seconds the start took, by phase (``weights``: load, and keep this
-        rank's experts; ``compile``: building kernels; ``graphs``: capturing the decode
-        graphs, kernel builds apart)."""
+        rank's experts; ``compile``: building kernels; ``warm_up``: the prefill forwards
+        of ``warm_up_tokens``, so that the first request pays no first use; ``graphs``:
+        capturing the decode graphs; the last two without their kernel builds)."""
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
@@ -124,7 +138,13 @@ class EngineCore:
                                   proposes=scheduler_cls.drafts,
                                   embeddings=self.media.get)  # fmt: skip
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
-        captured = time.perf_counter()
+        warming, compiled_before = time.perf_counter(), compile_seconds()
+        if experts is None:  # an expert-parallel rank's forwards need its whole group
+            self.runner.warm_up(warm_up_tokens(config.device, self.config.scheduler,
+                                               self.max_model_len))  # fmt: skip
+        self.startup["warm_up"] = (time.perf_counter() - warming
+                                   - (compile_seconds() - compiled_before))  # fmt: skip
+        captured, compiled_before = time.perf_counter(), compile_seconds()
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             if experts is None or experts.dispatcher.capturable:
                 sched = self.config.scheduler
@@ -133,8 +153,10 @@ class EngineCore:
             else:
                 log.info("decode steps run eagerly: the %s cannot be captured",
                          type(experts.dispatcher).__name__)  # fmt: skip
+        self.startup["graphs"] = (
+            time.perf_counter() - captured - (compile_seconds() - compiled_before)
+        )
         self.startup["compile"] = compile_seconds() - compiled
-        self.startup["graphs"] = time.perf_counter() - captured - self.startup["compile"]
         self.hash_extra = extra_keys(self.fingerprint)  # what this model's block hashes mix in
         so = config.structured
         self.grammars = GrammarGate(

@@ -36,6 +36,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
 from engine.models.base import CausalLM
 from engine.plan import ScheduledChunk
+from kernels import parallel_builds
 
 log = logging.getLogger("ferry.cuda_graphs")
 
@@ -182,8 +183,15 @@ class DecodeGraphs:
             return hidden, self.model.compute_logits(hidden)
 
     def _capture(self) -> None:
-        """Capture every bucket, largest first, all in one memory pool."""
+        """Capture every bucket, largest first, all in one memory pool. First one dry run
+        of every bucket inside ``parallel_builds``, so that the kernels they need are all
+        built at once (154 s one after another on a new machine for deepseek-v3-4l, 138
+        of them building; bench/results/startup_h200.json)."""
         start = time.perf_counter()
+        with parallel_builds():
+            for size in self.sizes:
+                self._fill(self._buckets[size], [])
+                self._forward(self._buckets[size])
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             bucket = self._buckets[size]

@@ -40,9 +40,10 @@ one synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -65,6 +66,7 @@ from engine.sampler import (
 )
 from engine.spec.base import Drafter, DraftRequest, DraftStep, Proposal
 from engine.structured import GrammarState, build_draft_mask, build_mask
+from kernels import parallel_builds
 
 log = logging.getLogger("ferry.runner")
 
@@ -401,6 +403,26 @@ class ModelRunner:
         if not inputs.sample_ids:
             return torch.empty(0), hidden
         return self.model.compute_logits(hidden[inputs.sample_rows]), hidden
+
+    def warm_up(self, num_tokens: Sequence[int]) -> None:
+        """Before serving: one prefill forward of an ``n``-token sequence for each ``n``,
+        then the logits of its last row, so that the first requests do not pay what a
+        first use costs. A dry run first, inside ``parallel_builds`` (the TileLang kernels
+        these steps need that nothing built yet, all at once), then the real one (library
+        plans, workspaces, the allocator's pools). The tokens are 0s over the null block
+        (block 0, never handed out): no real block is touched."""
+        with torch.inference_mode():
+            for dry_run in (True, False):
+                with parallel_builds() if dry_run else contextlib.nullcontext():
+                    for n in num_tokens:
+                        blocks = [0] * -(-n // self.block_size)
+                        chunk = ScheduledChunk("warm-up", [0] * n, 0, blocks, sample=True)
+                        inputs, _ = step_inputs([chunk], self.block_size, self.device)
+                        ctx = ForwardContext(inputs.meta, self.backend)
+                        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                        self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def idle_forward(self) -> None:
         """Run the model over no tokens: how a rank of an expert-parallel group with nothing

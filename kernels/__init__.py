@@ -3,8 +3,11 @@
 Every module holds three things: a ``@tilelang.jit`` factory that builds the kernel for
 one static configuration, a torch reference that runs on any device (CPU included), and
 a wrapper that checks shapes, dtypes and strides at the boundary and caches the compiled
-kernel per configuration. Importing this package never imports TileLang; the wrappers
-import it on first use, so CPU-only machines can use the references.
+kernel per configuration (``parallel_builds``: the kernels a dry run asks for, compiled at
+once on a process per core when they are not in TileLang's disk cache yet, as an engine's
+start-up does). Importing this package never
+imports TileLang; the wrappers import it on first use, so CPU-only machines can use the
+references.
 
 - ``paged_decode_attention``: one query token per sequence over the paged KV cache, GQA,
   split-K (flash-decoding) with a combine step.
@@ -20,6 +23,18 @@ import it on first use, so CPU-only machines can use the references.
   expert received (gate/up with the SiLU fused, down with the routing weight fused).
 """
 
-from kernels._tl import ATTENTION_DTYPES, compile_seconds, kernels_usable, tilelang_available
+from kernels._tl import (
+    ATTENTION_DTYPES,
+    compile_seconds,
+    kernels_usable,
+    parallel_builds,
+    tilelang_available,
+)
 
-__all__ = ["ATTENTION_DTYPES", "compile_seconds", "kernels_usable", "tilelang_available"]
+__all__ = [
+    "ATTENTION_DTYPES",
+    "compile_seconds",
+    "kernels_usable",
+    "parallel_builds",
+    "tilelang_available",
+]

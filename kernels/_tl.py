@@ -1,14 +1,23 @@
-"""What every kernel wrapper shares: TileLang detection, boundary checks, a build cache."""
+"""What every kernel wrapper shares: TileLang detection, boundary checks, a build cache
+and its parallel builds."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import importlib.util
+import logging
+import multiprocessing
+import os
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+log = logging.getLogger("ferry.kernels")
 
 TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
@@ -66,10 +75,27 @@ def check_rows_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
         expected *= size
 
 
+@dataclass(frozen=True)
+class TileLangBuild:
+    """How one kernel is built: ``program(*args)`` traced into its TIR function, then lowered
+    and compiled by TileLang (which keeps it in its disk cache: a later build of the same
+    function, in this process or another, loads it)."""
+
+    program: Callable[..., Any]
+    args: tuple
+    fast_math: bool = False
+
+    def build(self) -> Any:
+        import tilelang
+
+        configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if self.fast_math else None
+        return tilelang.jit(out_idx=None, pass_configs=configs)(self.program)(*self.args)
+
+
 class KernelCache:
-    """Compiled kernels by configuration key; builds each key once, thread-safe.
-    ``build_seconds``: the time every cache of the process has spent building (compiling,
-    or loading from TileLang's disk cache) so far."""
+    """Compiled kernels by configuration key; builds each key once (``make(key)``: its
+    ``TileLangBuild``), thread-safe. ``build_seconds``: the time every cache of the process
+    has spent building (compiling, or loading from TileLang's disk cache) so far."""
 
     build_seconds: ClassVar[float] = 0.0
 
@@ -77,20 +103,107 @@ class KernelCache:
         self._kernels: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+    def get(self, key: Hashable, make: Callable[[Any], TileLangBuild]) -> Any:
         kernel = self._kernels.get(key)
         if kernel is None:
+            batch = getattr(_BATCH, "current", None)
+            if batch is not None:
+                return batch.defer(self, key, make)
             with self._lock:
                 kernel = self._kernels.get(key)
                 if kernel is None:
                     started = time.perf_counter()
-                    kernel = build()
+                    kernel = make(key).build()
                     KernelCache.build_seconds += time.perf_counter() - started
                     self._kernels[key] = kernel
         return kernel
 
     def __len__(self) -> int:
         return len(self._kernels)
+
+
+COMPILED_S = 1.0  # a build slower than this compiled (a load from the disk cache: ~0.1 s)
+
+
+def _skipped(*args: Any, **kwargs: Any) -> None:
+    """What a kernel not built yet runs inside ``parallel_builds``: nothing."""
+
+
+def _build_elsewhere(make: Callable[[Any], TileLangBuild], key: Hashable) -> None:
+    """In a worker process: build one kernel, which leaves it in TileLang's disk cache."""
+    make(key).build()
+
+
+class _BuildBatch:
+    """The builds a ``parallel_builds`` section asked for, in the order it asked."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pending: dict[tuple[int, Hashable], tuple[KernelCache, Hashable, Callable]] = {}
+
+    def defer(self, cache: KernelCache, key: Hashable, make: Callable[[Any], TileLangBuild]):
+        self._pending.setdefault((id(cache), key), (cache, key, make))
+        return _skipped
+
+    def finish(self) -> int:
+        """Build every kernel asked for, here, one after another while they load from the
+        disk cache; once one has to be compiled, the rest are compiled first on
+        ``workers`` processes at once (TileLang's compiler is not safe to run in several
+        threads of one process: layout inference failed), then loaded here. A build that
+        fails there is built here again, where its error is raised. Returns how many."""
+        todo = list(self._pending.values())
+        for i, (cache, key, make) in enumerate(todo):
+            started = time.perf_counter()
+            cache.get(key, make)
+            rest = todo[i + 1 :]
+            if rest and self.workers > 1 and time.perf_counter() - started > COMPILED_S:
+                _compile_in_processes(rest, self.workers)
+                self.workers = 1  # once: what is left loads
+        return len(todo)
+
+
+def _compile_in_processes(todo: list[tuple[KernelCache, Hashable, Callable]], workers: int) -> None:
+    started = time.perf_counter()
+    workers = min(workers, len(todo))
+    log.info(
+        "compiling up to %d GPU kernels on %d processes (the first start with these shapes "
+        "here; later starts load them from TileLang's cache)", len(todo), workers,
+    )  # fmt: skip
+    context = multiprocessing.get_context("spawn")  # the parent holds a CUDA context
+    with concurrent.futures.ProcessPoolExecutor(workers, context) as pool:
+        futures = [pool.submit(_build_elsewhere, make, key) for _, key, make in todo]
+        concurrent.futures.wait(futures)
+    failed = sum(f.exception() is not None for f in futures)
+    log.info("GPU kernels compiled in %.1f s%s", time.perf_counter() - started,
+             f" ({failed} failed there: built here again)" if failed else "")  # fmt: skip
+    KernelCache.build_seconds += time.perf_counter() - started
+
+
+_BATCH = threading.local()
+
+
+@contextlib.contextmanager
+def parallel_builds(workers: int | None = None) -> Iterator[None]:
+    """Build the kernels that the code inside asks for all at once when they have to be
+    compiled, on ``workers`` processes (default: one per core), instead of one after
+    another as each is first called; leaving the section builds them (``_BuildBatch``).
+
+    A kernel not built yet does *nothing* when called inside: its outputs keep whatever
+    they held. So the section is for a dry run whose results are thrown away (the decode
+    graphs' and the warm-up's forwards over padding, ``engine.cuda_graphs``,
+    ``engine.runner``), over code in which no kernel's output decides what runs next or
+    indexes memory. Built ones run as usual; sections do not nest (the outer one builds).
+    Only calls from this thread are deferred."""
+    if getattr(_BATCH, "current", None) is not None:
+        yield
+        return
+    batch = _BuildBatch(workers or os.cpu_count() or 1)
+    _BATCH.current = batch
+    try:
+        yield
+    finally:
+        _BATCH.current = None
+    batch.finish()
 
 
 def compile_seconds() -> float:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
+from kernels._tl import ATTENTION_DTYPES, KernelCache, TileLangBuild, check_tensor, tl_dtype
 
 _KERNELS = KernelCache()
 BLOCK = 1024  # output columns per CTA
@@ -62,10 +62,8 @@ def _silu_mul_program(inter, dtype, scaled):
     return row_scaled if scaled else plain
 
 
-def build_silu_mul_kernel(cfg: SiluMulConfig):
-    import tilelang
-
-    return tilelang.jit(out_idx=None)(_silu_mul_program)(cfg.inter, cfg.dtype, cfg.scaled)
+def silu_mul_build(cfg: SiluMulConfig) -> TileLangBuild:
+    return TileLangBuild(_silu_mul_program, (cfg.inter, cfg.dtype, cfg.scaled))
 
 
 def silu_and_mul(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,7 +80,7 @@ def silu_and_mul(x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torc
             raise ValueError(f"row_scale has {row_scale.shape[0]} rows, x {x.shape[0]}")
     if x.shape[0]:
         cfg = SiluMulConfig(inter, tl_dtype(x.dtype), row_scale is not None)
-        kernel = _KERNELS.get(cfg, lambda: build_silu_mul_kernel(cfg))
+        kernel = _KERNELS.get(cfg, silu_mul_build)
         scale = () if row_scale is None else (row_scale.contiguous(),)
         kernel(x, *scale, out)
     return out

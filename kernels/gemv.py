@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
+from kernels._tl import ATTENTION_DTYPES, KernelCache, TileLangBuild, check_tensor, tl_dtype
 
 _KERNELS = KernelCache()
 THREADS = 128
@@ -93,10 +93,8 @@ def _gemv_program(m, n, k, dtype):
     return main
 
 
-def build_gemv_kernel(cfg: GemvConfig):
-    import tilelang
-
-    return tilelang.jit(out_idx=None)(_gemv_program)(cfg.m, cfg.n, cfg.k, cfg.dtype)
+def gemv_build(cfg: GemvConfig) -> TileLangBuild:
+    return TileLangBuild(_gemv_program, (cfg.m, cfg.n, cfg.k, cfg.dtype))
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -128,7 +126,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     cfg = GemvConfig(m, n, k, tl_dtype(x.dtype))
-    _KERNELS.get(cfg, lambda: build_gemv_kernel(cfg))(x, weight, out)
+    _KERNELS.get(cfg, gemv_build)(x, weight, out)
     return out
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
+from kernels._tl import ATTENTION_DTYPES, KernelCache, TileLangBuild, check_tensor, tl_dtype
 
 LOG2E = 1.4426950408889634
 NUM_SMS_H200 = 132
@@ -78,23 +78,11 @@ def default_config(
     return MLADecodeConfig(num_heads, kv_lora_rank, rope_dim, block_size, tl_dtype(dtype), scale)
 
 
-def build_mla_decode_kernel(cfg: MLADecodeConfig):
-    """Compile the split (and, when ``cfg.combine``, combine) kernels (imports TileLang)."""
-    import tilelang
-
-    factory = tilelang.jit(
-        out_idx=None, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
-    )(_mla_decode_program)
-    return factory(
-        cfg.num_heads,
-        cfg.kv_lora_rank,
-        cfg.rope_dim,
-        cfg.block_size,
-        cfg.dtype,
-        cfg.scale,
-        cfg.block_n,
-        cfg.combine,
-    )
+def mla_decode_build(cfg: MLADecodeConfig) -> TileLangBuild:
+    """The split (and, when ``cfg.combine``, combine) kernels."""
+    args = (cfg.num_heads, cfg.kv_lora_rank, cfg.rope_dim, cfg.block_size, cfg.dtype,
+            cfg.scale, cfg.block_n, cfg.combine)  # fmt: skip
+    return TileLangBuild(_mla_decode_program, args, fast_math=True)
 
 
 def _combine_macro(heads, rank, batch, num_split):
@@ -402,7 +390,7 @@ def mla_decode(
         max_seq_len = block_tables.shape[1] * block_size
     splits = num_splits or choose_num_splits(batch, heads, max_seq_len, cfg.block_n)
     cfg = replace(cfg, combine=splits > 1)
-    kernel = _KERNELS.get(cfg, lambda: build_mla_decode_kernel(cfg))
+    kernel = _KERNELS.get(cfg, mla_decode_build)
     lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out_part = torch.empty(batch, heads, splits, kv_lora_rank, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, heads, kv_lora_rank, dtype=q.dtype, device=q.device)

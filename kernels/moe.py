@@ -32,7 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, kernels_usable, tl_dtype
+from kernels._tl import (
+    ATTENTION_DTYPES,
+    KernelCache,
+    TileLangBuild,
+    check_tensor,
+    kernels_usable,
+    tl_dtype,
+)
 from kernels.activation import silu_and_mul
 
 GROUP_M = 8  # row blocks per launch panel
@@ -95,15 +102,13 @@ def kernel_configs(
     return gate_up, down
 
 
-def build_grouped_gemm_kernel(cfg: GroupedGemmConfig):
-    """Compile one of the two kernels for ``cfg`` (imports TileLang)."""
-    import tilelang
-
+def grouped_gemm_build(cfg: GroupedGemmConfig) -> TileLangBuild:
+    """One of the two kernels for ``cfg``."""
     program = _gate_up_program if cfg.kind == "gate_up" else _down_program
-    return tilelang.jit(out_idx=None)(program)(
+    return TileLangBuild(program, (
         cfg.experts, cfg.n, cfg.k, cfg.dtype, cfg.block_m, cfg.block_n, cfg.block_k,
         cfg.num_stages, cfg.threads,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def _tile_of(bid, m_blocks, n_tiles):
@@ -295,12 +300,10 @@ def fused_moe(
     align = moe_align(topk_ids, experts, block_m)
     x = hidden.contiguous().index_select(0, (align.sorted_ids.clamp(max=pairs - 1) // top_k))
     h = torch.empty(align.rows, w2.shape[2], dtype=hidden.dtype, device=hidden.device)
-    _KERNELS.get(gate_up_cfg, lambda: build_grouped_gemm_kernel(gate_up_cfg))(
-        x, w13, align.block_expert, h
-    )
+    _KERNELS.get(gate_up_cfg, grouped_gemm_build)(x, w13, align.block_expert, h)
     y = torch.empty(pairs, width, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.flatten().float().contiguous()
-    _KERNELS.get(down_cfg, lambda: build_grouped_gemm_kernel(down_cfg))(
+    _KERNELS.get(down_cfg, grouped_gemm_build)(
         h, w2, align.block_expert, align.sorted_ids, weights, y
     )
     return y.view(tokens, top_k, width).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -23,6 +23,7 @@ import torch
 from kernels._tl import (
     ATTENTION_DTYPES,
     KernelCache,
+    TileLangBuild,
     check_rows_contiguous,
     check_tensor,
     tl_dtype,
@@ -100,10 +101,8 @@ def _norm_program(hidden, dtype, eps, residual):
     return fused if residual else plain
 
 
-def build_norm_kernel(cfg: NormConfig):
-    import tilelang
-
-    return tilelang.jit(out_idx=None)(_norm_program)(cfg.hidden, cfg.dtype, cfg.eps, cfg.residual)
+def norm_build(cfg: NormConfig) -> TileLangBuild:
+    return TileLangBuild(_norm_program, (cfg.hidden, cfg.dtype, cfg.eps, cfg.residual))
 
 
 def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -123,7 +122,7 @@ def fused_add_rms_norm(
         raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
     cfg = NormConfig(x.shape[1], tl_dtype(x.dtype), eps, residual=True)
     if x.shape[0]:
-        _KERNELS.get(cfg, lambda: build_norm_kernel(cfg))(x, residual, weight)
+        _KERNELS.get(cfg, norm_build)(x, residual, weight)
     return x, residual
 
 
@@ -133,7 +132,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     cfg = NormConfig(x.shape[1], tl_dtype(x.dtype), eps, residual=False)
     out = torch.empty_like(x)
     if x.shape[0]:
-        _KERNELS.get(cfg, lambda: build_norm_kernel(cfg))(x, weight, out)
+        _KERNELS.get(cfg, norm_build)(x, weight, out)
     return out
 
 
@@ -189,12 +188,8 @@ def _rope_program(heads, kv_heads, dim, dtype):
     return main
 
 
-def build_rope_kernel(cfg: RopeConfig):
-    import tilelang
-
-    return tilelang.jit(out_idx=None)(_rope_program)(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
-    )
+def rope_build(cfg: RopeConfig) -> TileLangBuild:
+    return TileLangBuild(_rope_program, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype))
 
 
 def rotary_embedding(
@@ -211,7 +206,7 @@ def rotary_embedding(
         raise ValueError("cos_sin, q and k must share head_dim (partial rotary is not supported)")
     cfg = RopeConfig(q.shape[1], k.shape[1], q.shape[2], tl_dtype(q.dtype))
     if q.shape[0]:
-        _KERNELS.get(cfg, lambda: build_rope_kernel(cfg))(positions, q, k, cos_sin)
+        _KERNELS.get(cfg, rope_build)(positions, q, k, cos_sin)
     return q, k
 
 
@@ -266,11 +261,9 @@ def _cache_write_program(kv_heads, dim, block_size, dtype):
     return main
 
 
-def build_cache_write_kernel(cfg: CacheWriteConfig):
-    import tilelang
-
-    return tilelang.jit(out_idx=None)(_cache_write_program)(
-        cfg.num_kv_heads, cfg.head_dim, cfg.block_size, cfg.dtype
+def cache_write_build(cfg: CacheWriteConfig) -> TileLangBuild:
+    return TileLangBuild(
+        _cache_write_program, (cfg.num_kv_heads, cfg.head_dim, cfg.block_size, cfg.dtype)
     )
 
 
@@ -288,7 +281,7 @@ def write_kv_cache(
         raise ValueError(f"kv_cache width {kv_cache.shape[2]} != 2 * Hkv * D of {k.shape}")
     cfg = CacheWriteConfig(k.shape[1], k.shape[2], kv_cache.shape[1], tl_dtype(k.dtype))
     if k.shape[0]:
-        _KERNELS.get(cfg, lambda: build_cache_write_kernel(cfg))(k, v, kv_cache, slot_mapping)
+        _KERNELS.get(cfg, cache_write_build)(k, v, kv_cache, slot_mapping)
 
 
 def write_kv_cache_ref(

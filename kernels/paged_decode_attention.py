@@ -22,7 +22,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_rows_contiguous, check_tensor, tl_dtype
+from kernels._tl import (
+    ATTENTION_DTYPES,
+    KernelCache,
+    TileLangBuild,
+    check_rows_contiguous,
+    check_tensor,
+    tl_dtype,
+)
 
 LOG2E = 1.4426950408889634
 NUM_SMS_H200 = 132
@@ -75,14 +82,9 @@ def default_config(
     )
 
 
-def build_decode_kernel(cfg: DecodeConfig):
-    """Compile the split and combine kernels for ``cfg`` (imports TileLang)."""
-    import tilelang
-
-    factory = tilelang.jit(
-        out_idx=None, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
-    )(_decode_program)
-    return factory(
+def decode_build(cfg: DecodeConfig) -> TileLangBuild:
+    """The split and combine kernels for ``cfg``."""
+    return TileLangBuild(_decode_program, (
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
@@ -94,7 +96,7 @@ def build_decode_kernel(cfg: DecodeConfig):
         cfg.num_stages,
         cfg.threads,
         cfg.combine,
-    )
+    ), fast_math=True)  # fmt: skip
 
 
 def _decode_program(
@@ -307,7 +309,7 @@ def paged_decode_attention(
         max_seq_len = block_tables.shape[1] * block_size
     splits = num_splits or choose_num_splits(batch, num_kv_heads, max_seq_len, cfg.block_n)
     cfg = replace(cfg, combine=splits > 1)
-    kernel = _KERNELS.get(cfg, lambda: build_decode_kernel(cfg))
+    kernel = _KERNELS.get(cfg, decode_build)
     lse_part = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out_part = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, check_tensor, tl_dtype
+from kernels._tl import ATTENTION_DTYPES, KernelCache, TileLangBuild, check_tensor, tl_dtype
 
 LOG2E = 1.4426950408889634
 
@@ -60,14 +60,9 @@ def default_config(
     )
 
 
-def build_prefill_kernel(cfg: PrefillConfig):
-    """Compile the kernel for ``cfg`` (imports TileLang)."""
-    import tilelang
-
-    factory = tilelang.jit(
-        out_idx=None, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
-    )(_prefill_program)
-    return factory(
+def prefill_build(cfg: PrefillConfig) -> TileLangBuild:
+    """The kernel for ``cfg``."""
+    return TileLangBuild(_prefill_program, (
         cfg.num_heads,
         cfg.num_kv_heads,
         cfg.head_dim,
@@ -78,7 +73,7 @@ def build_prefill_kernel(cfg: PrefillConfig):
         cfg.block_n,
         cfg.num_stages,
         cfg.threads,
-    )
+    ), fast_math=True)  # fmt: skip
 
 
 def _prefill_program(
@@ -236,7 +231,7 @@ def prefill_attention(
     if block_tables.shape[0] != batch or query_start_loc.shape[0] != batch + 1:
         raise ValueError("block_tables, seq_lens and query_start_loc disagree on the batch")
     cfg = config or default_config(heads, num_kv_heads, dim, kv_cache.shape[1], q.dtype, scale)
-    kernel = _KERNELS.get(cfg, lambda: build_prefill_kernel(cfg))
+    kernel = _KERNELS.get(cfg, prefill_build)
     out = torch.empty_like(q)
     if num_tokens and max_query_len > 0:
         kernel(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, out)

@@ -17,12 +17,22 @@ context, causally.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.base import AttentionMetadata, MLABackend
 from engine.attention.torch_sdpa import each_sequence, padded_contexts, store_rows
+
+# SDPA's fused backends the CUDA prefill may take: not cuDNN's, which builds an execution
+# graph for each new (queries, keys) shape, and nearly every prompt brings one: 0.75-1.2 s
+# at 1k tokens, 40 ms at 2-4k, against 0.4-14 ms for flash's first call; flash then runs
+# a square 4k at 2.8 ms per layer against cuDNN's 1.3, and a 1k chunk over a 3k context
+# at 0.93 against 1.9 (H200, 128 heads; bench/results/sdpa_backends_h200.json)
+FUSED_PREFILL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 class TorchMLABackend(MLABackend):
@@ -79,7 +89,8 @@ class TorchMLABackend(MLABackend):
         from the rotary step — with SDPA's own causal mask aligned to the last key (a chunk
         after a cached prefix sees the whole prefix), 4-D operands and the values padded
         with zeros to the keys' width: what SDPA's fused kernels take (a 4k-token prefill
-        of deepseek-v3-4l spent 268 of its 321 ms in the float32 math kernel). Elsewhere an
+        of deepseek-v3-4l spent 268 of its 321 ms in the float32 math kernel), flash's or
+        the memory-efficient one (``FUSED_PREFILL``). Elsewhere an
         explicit mask over 3-D operands, which keeps the math kernel: the CPU's fused one
         rounds bf16 further from float32."""
         mla = self.mla
@@ -99,7 +110,8 @@ class TorchMLABackend(MLABackend):
                 operands = [x[None] for x in operands]
                 q_len = tokens.stop - tokens.start
                 mask = causal_lower_right(q_len, rows.shape[0]) if q_len > 1 else None
-            o = F.scaled_dot_product_attention(*operands, attn_mask=mask, scale=self.scale)
+            with sdpa_kernel(FUSED_PREFILL) if fused else contextlib.nullcontext():
+                o = F.scaled_dot_product_attention(*operands, attn_mask=mask, scale=self.scale)
             o = o[0] if fused else o  # [H, q_len, D]
             out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
         return out

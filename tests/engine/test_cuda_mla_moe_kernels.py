@@ -12,13 +12,14 @@ import dataclasses
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
-from engine.attention import build_backend
+from engine.attention import build_backend, torch_mla
 from engine.attention.tilelang_mla import TileLangMLABackend
 from engine.config import MLAConfig
 from engine.loader.dummy import build_dummy_model, dummy_config
 from engine.plan import NewRequest, ScheduledChunk, StepPlan
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, step_inputs
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from kernels import tilelang_available
@@ -94,3 +95,26 @@ def test_graphed_kernel_decode_matches_eager_kernel_decode():
     assert graphs.captured
     errors = lockstep_errors((graphed, make_runner("tilelang")), prompts, steps=8)
     assert max(errors) < 1e-2, errors
+
+
+def test_mla_prefill_through_the_fused_backends_matches_the_math_kernel(monkeypatch):
+    """The CUDA prefill takes flash (or the memory-efficient kernel), never cuDNN's
+    per-shape graphs (``torch_mla.FUSED_PREFILL``): a fresh prompt and a chunk after a
+    cached prefix, against SDPA's math kernel over the same bf16 operands."""
+    runner = make_runner("tilelang")
+    backend, mla, heads = runner.backend, KERNEL_WIDE.mla, KERNEL_WIDE.num_heads
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache = backend.cache.layers[0]
+    cache.copy_(torch.randn(cache.shape, generator=g, device="cuda").to(cache.dtype))
+    kv_b = 0.1 * torch.randn(heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                             mla.kv_lora_rank, generator=g, device="cuda")  # fmt: skip
+    chunks = [
+        ScheduledChunk("fresh", [0] * 300, 0, list(range(1, 1 + PER_SEQ)), True),
+        ScheduledChunk("after", [0] * 100, 200, list(range(1 + PER_SEQ, 1 + 2 * PER_SEQ)), True),
+    ]
+    meta = step_inputs(chunks, BLOCK, torch.device("cuda"))[0].meta
+    q = torch.randn(400, heads, mla.qk_head_dim, generator=g, device="cuda").to(torch.bfloat16)
+    fused = backend.prefill(cache, q, kv_b.to(torch.bfloat16), meta).float()
+    monkeypatch.setattr(torch_mla, "FUSED_PREFILL", [SDPBackend.MATH])
+    math = backend.prefill(cache, q, kv_b.to(torch.bfloat16), meta).float()
+    assert ((fused - math).norm() / math.norm()).item() < 1e-2

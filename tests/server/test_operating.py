@@ -43,7 +43,8 @@ def test_the_startup_log_names_each_worker_its_device_kv_size_transport_and_tier
     for role, name in (("prefill", "p0"), ("decode", "d0")):
         line = re.search(rf"^ferry: {role} worker {name} ready on cpu: KV cache ([\d.]+) "
                          rf"(KB|MB|GB) \((\d+) blocks of 16 tokens, context \d+\), KV transport "
-                         rf"shm.*, tiers: host 0\.25 GB, file {kv_dir} \(cap 3 GB, TTL 5 h\)$",
+                         rf"shm.*, tiers: host 0\.25 GB, file {kv_dir} \(cap 3 GB, TTL 5 h\); "
+                         rf"started in [\d.]+ s: process [\d.]+(, [a-z -]+ [\d.]+)*$",
                          log, re.MULTILINE)  # fmt: skip
         assert line, log
         assert float(line.group(1)) > 0 and int(line.group(3)) > 1
