@@ -214,7 +214,7 @@ def test_a_group_of_ferry_workers_on_two_hosts_answers_as_aggregated_and_dies_wh
             decode = {w["name"]: w for w in health["workers"] if w["role"] == "decode"}
             assert set(decode) == {"dx/r0", "dx/r1"}
             assert {decode[n]["rank"] for n in decode} == {0, 1}
-            phases = {"process", "group", "weights", "compile", "graphs"}
+            phases = {"process", "group", "weights", "compile", "warm_up", "graphs"}
             assert all(set(w["startup"]) == phases for w in decode.values()), decode
             [rank0], [rank1] = _children(w0.pid), _children(w1.pid)  # each host's own rank
             answers = asyncio.run(_all(s))
