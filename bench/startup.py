@@ -8,7 +8,8 @@ Each run is a fresh process building the ``EngineCore`` that ``ferry serve`` bui
 the same flags: ``cold`` with an empty TileLang kernel cache (a new machine), then
 ``warm`` with the cache the cold run left (every later start). Reported per run: the
 engine's start-up phases (``EngineCore.startup``: weights, kernel builds, decode graphs,
-warm-up), the kernels built by kind with their seconds, and the time to the first token
+warm-up), the kernels the engine's process built or loaded, by program, with their seconds
+(those compiled on worker processes count in ``compile`` only), and the time to the first token
 of one request after another, each a prompt of a length not seen before (``--prompt-lens``;
 one repeated at the end), prefix caching off, the start-up's objects frozen out of the
 garbage collector as a worker's are: what a served request waits for beyond its own
@@ -39,23 +40,20 @@ def child(args: argparse.Namespace) -> dict:
     from engine.core import EngineCore
     from engine.messages import EngineRequest
     from engine.sampling_params import SamplingParams
-    from kernels._tl import KernelCache
+    from kernels._tl import TileLangBuild
     from server.cli import build_parser
     from server.serve import engine_config
 
     builds: dict[str, list[float]] = collections.defaultdict(list)
-    get = KernelCache.get
+    build = TileLangBuild.build
 
-    def timed_get(self, key, build):  # the builds by config type, each with its seconds
-        def timed():
-            started = time.perf_counter()
-            kernel = build()
-            builds[type(key).__name__].append(time.perf_counter() - started)
-            return kernel
+    def timed_build(self):  # this process's builds (loads too) by program, with seconds
+        started = time.perf_counter()
+        kernel = build(self)
+        builds[self.program.__name__].append(time.perf_counter() - started)
+        return kernel
 
-        return get(self, key, timed)
-
-    KernelCache.get = timed_get
+    TileLangBuild.build = timed_build
     serve_args = build_parser().parse_args(
         ["serve", "--model", args.model, "--aggregated", *shlex.split(args.serve_flags)]
     )
