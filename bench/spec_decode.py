@@ -128,8 +128,12 @@ def run_arms(
     rounds: int,
     log: Callable[[str], None] = print,
     deadline: float = float("inf"),
+    min_tokens: int = 0,
 ) -> list[dict]:
-    """For every concurrency and workload, every arm in turn, ``rounds`` times; one record
+    """For every concurrency and workload, every arm in turn, ``rounds`` times, or as many
+    more as it takes for each arm to yield ``min_tokens`` output tokens (a cheap point
+    repeated, so that a shift in the machine's speed lasting a second or two lands on
+    every arm, not on the one that ran then); the order reverses each round. One record
     per (workload, concurrency, arm) with the median tok/s and the other figures.
     ``cores[arm]()`` readies the engine an arm runs on and returns it. An arm that raises
     gets a record with its error and the run goes on; past ``deadline`` (a
@@ -145,7 +149,8 @@ def run_arms(
         jobs = workloads[workload](c)
         runs: dict[str, list[dict]] = {name: [] for name in cores}
         errors: dict[str, str] = {}
-        for r in range(rounds):
+        per_round = sum(job.max_tokens for job in jobs)
+        for r in range(max(rounds, -(-min_tokens // per_round))):
             order = list(cores) if r % 2 == 0 else list(reversed(cores))
             for name in order:
                 if name in errors:

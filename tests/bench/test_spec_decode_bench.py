@@ -77,6 +77,10 @@ def test_arms_on_one_engine_and_their_records(core):
             assert by[(c, arm)]["outputs_equal_none"] == 1.0
             assert by[(c, arm)]["vs_none"] > 0
     assert sum(by[(4, "fixed-3")]["accepted_by_position"]) > 0
+    repeated = run_arms({k: cores[k] for k in ("none", "dynamic")},
+                        {"decode": lambda c: jobs(c, 4)}, [2], rounds=1, log=lambda line: None,
+                        min_tokens=5 * 2 * 4)  # fmt: skip
+    assert [len(r["tok_s_runs"]) for r in repeated] == [5, 5]  # 8 tokens a round
     late = run_arms(cores, {"decode": lambda c: jobs(c, 4)}, [2], rounds=1,
                     log=lambda line: None, deadline=time.perf_counter() - 1)  # fmt: skip
     assert {r["error"] for r in late} == {"skipped: out of time"}
