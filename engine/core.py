@@ -47,6 +47,7 @@ from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole
 from engine.worker.shell import main as worker_main
 from kernels import compile_seconds
+from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kvstore.events import KVEvent
 from kvstore.hashing import extra_keys
 from kvstore.layout import KVCache, KVCacheLayout
@@ -60,16 +61,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_WARM_UP_TOKENS = 16
 
 
-def warm_up_tokens(device: str, sched: SchedulerConfig, max_model_len: int) -> tuple[int, ...]:
-    """The prefill sizes an engine runs once before it serves (``ModelRunner.warm_up``).
-    On CUDA one token (the eager decode path) and a whole step's token budget: the
-    largest activations a step allocates, so a budget that does not fit fails at start,
-    and the kernels and library plans of the largest steps; the first request of
-    deepseek-v3-4l waited 0.3-0.76 s before (bench/results/startup_h200.json). On the
-    CPU a short prompt: the one-time costs of a first forward."""
+def warm_up_steps(
+    device: str, sched: SchedulerConfig, max_model_len: int
+) -> tuple[tuple[int, ...], ...]:
+    """The steps an engine runs once before it serves (``ModelRunner.warm_up``), each as
+    the lengths of its prompts. On CUDA, steps of 1 to ``GEMV_MAX_ROWS`` one-token
+    prompts (the eager decode path, and the products of a few rows, whose kernels are
+    built per row count: a first prefill of three prompts compiled the one for its three
+    rows of logits, 2 s on the H200, and an eager decode of three sequences four more),
+    then one prompt of a whole step's token budget: the largest activations a step
+    allocates, so a budget that does not fit fails at start, and the kernels and library
+    plans of the largest steps (the first request of deepseek-v3-4l waited 0.3-0.76 s
+    before, bench/results/startup_h200_2aae27c.json). On the CPU a short prompt: the
+    one-time costs of a first forward."""
     if torch.device(device).type != "cuda":
-        return (min(CPU_WARM_UP_TOKENS, max_model_len),)
-    return tuple(sorted({1, min(sched.max_num_batched_tokens, max_model_len)}))
+        return ((min(CPU_WARM_UP_TOKENS, max_model_len),),)
+    rows = min(GEMV_MAX_ROWS, sched.max_num_seqs)
+    few = tuple((1,) * n for n in range(1, rows + 1))
+    return few + ((min(sched.max_num_batched_tokens, max_model_len),),)
 
 
 class EngineCore:
@@ -88,8 +97,8 @@ class EngineCore:
         into CUDA graphs only where its dispatcher can be.
 
         ``startup``: seconds the start took, by phase (``weights``: load, and keep this
-        rank's experts; ``compile``: building kernels; ``warm_up``: the prefill forwards
-        of ``warm_up_tokens``, so that the first request pays no first use; ``graphs``:
+        rank's experts; ``compile``: building kernels; ``warm_up``: the forwards of
+        ``warm_up_steps``, so that the first request pays no first use; ``graphs``:
         capturing the decode graphs; the last two without their kernel builds)."""
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
@@ -140,8 +149,8 @@ class EngineCore:
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
         warming, compiled_before = time.perf_counter(), compile_seconds()
         if experts is None:  # an expert-parallel rank's forwards need its whole group
-            self.runner.warm_up(warm_up_tokens(config.device, self.config.scheduler,
-                                               self.max_model_len))  # fmt: skip
+            self.runner.warm_up(warm_up_steps(config.device, self.config.scheduler,
+                                              self.max_model_len))  # fmt: skip
         self.startup["warm_up"] = (time.perf_counter() - warming
                                    - (compile_seconds() - compiled_before))  # fmt: skip
         captured, compiled_before = time.perf_counter(), compile_seconds()

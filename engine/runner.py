@@ -404,20 +404,22 @@ class ModelRunner:
             return torch.empty(0), hidden
         return self.model.compute_logits(hidden[inputs.sample_rows]), hidden
 
-    def warm_up(self, num_tokens: Sequence[int]) -> None:
-        """Before serving: one prefill forward of an ``n``-token sequence for each ``n``,
-        then the logits of its last row, so that the first requests do not pay what a
-        first use costs. A dry run first, inside ``parallel_builds`` (the TileLang kernels
-        these steps need that nothing built yet, all at once), then the real one (library
-        plans, workspaces, the allocator's pools). The tokens are 0s over the null block
-        (block 0, never handed out): no real block is touched."""
+    def warm_up(self, steps: Sequence[Sequence[int]]) -> None:
+        """Before serving: one forward for each step, a sequence of that many tokens for
+        each of its lengths, then the logits of every sequence's last row, so that the first
+        requests do not pay what a first use costs. A dry run first, inside
+        ``parallel_builds`` (the TileLang kernels these steps need that nothing built yet,
+        all at once), then the real one (library plans, workspaces, the allocator's pools).
+        The tokens are 0s over the null block (block 0, never handed out): no real block is
+        touched."""
         with torch.inference_mode():
             for dry_run in (True, False):
                 with parallel_builds() if dry_run else contextlib.nullcontext():
-                    for n in num_tokens:
-                        blocks = [0] * -(-n // self.block_size)
-                        chunk = ScheduledChunk("warm-up", [0] * n, 0, blocks, sample=True)
-                        inputs, _ = step_inputs([chunk], self.block_size, self.device)
+                    for lengths in steps:
+                        chunks = [ScheduledChunk(f"warm-up-{i}", [0] * n, 0,
+                                                 [0] * -(-n // self.block_size), sample=True)
+                                  for i, n in enumerate(lengths)]  # fmt: skip
+                        inputs, _ = step_inputs(chunks, self.block_size, self.device)
                         ctx = ForwardContext(inputs.meta, self.backend)
                         hidden = self.model(inputs.input_ids, inputs.positions, ctx)
                         self.model.compute_logits(hidden[inputs.sample_rows])
