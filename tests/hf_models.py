@@ -113,8 +113,9 @@ def write_tiny_model(kind: str, folder: Path, seed: int = 0) -> Path:
 def add_mtp_layer(folder: Path, seed: int = 0) -> None:
     """Write DeepSeek-V3's multi-token prediction layer (checkpoint layer
     ``num_hidden_layers``) into ``folder`` as ``mtp.safetensors``: a decoder layer copied
-    from the last one, random ``eh_proj``, norms in [0.5, 1.5]. Its drafts are poor; what
-    runs is the real layer."""
+    from the last one with noise added to its matrices (so that loading the wrong layer
+    shows), random ``eh_proj``, norms in [0.5, 1.5]. Its drafts are poor; what runs is the
+    real layer."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -122,8 +123,9 @@ def add_mtp_layer(folder: Path, seed: int = 0) -> None:
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     weights = load_file(str(folder / "model.safetensors"))
     last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
-    out = {mtp + n[len(last) :]: t.clone() for n, t in weights.items() if n.startswith(last)}
     g = torch.Generator().manual_seed(seed + 1)
+    out = {mtp + n[len(last) :]: t + 0.05 * torch.randn(t.shape, generator=g) * (t.dim() > 1)
+           for n, t in weights.items() if n.startswith(last)}  # fmt: skip
     hidden = weights["model.norm.weight"].shape[0]
     for name in ("enorm", "hnorm", "shared_head.norm"):
         out[f"{mtp}{name}.weight"] = torch.rand(hidden, generator=g) + 0.5

@@ -1,0 +1,137 @@
+"""The MTP drafter's drafts and confidences against DeepSeek-V3's multi-token prediction
+computed independently, with transformers' own decoder layer: the first draft after a
+prompt and the chained ones after it.
+
+The reference follows DeepSeek-V3's definition: at position i the layer takes
+``eh_proj([enorm(embed(t[i+1])); hnorm(h[i])])``, where ``h`` is the main model's final
+(normed) hidden state, runs one decoder layer over those inputs (causal, positions as the
+main model's), and predicts ``t[i+2]`` through ``shared_head.norm`` and the main model's
+head. A chained draft feeds the layer its own previous output instead of ``h`` and the
+draft before instead of the real token. Rerunning the layer over the whole sequence is
+what a KV cache does step by step, so the reference needs none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import load_reference
+from safetensors.torch import load_file
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+K = 3
+PROMPTS = [[100 + (i * 37) % 150 for i in range(21)], [65, 66, 67, 68, 69, 70, 71]]
+
+
+class ReferenceMTP:
+    """DeepSeek-V3's MTP layer of a checkpoint folder, on transformers' modules."""
+
+    def __init__(self, folder) -> None:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3DecoderLayer,
+            DeepseekV3RMSNorm,
+        )
+
+        self.main = load_reference(folder)
+        config = self.main.config
+        config._attn_implementation = "eager"
+        index = config.num_hidden_layers
+        weights = load_file(str(folder / "mtp.safetensors"))
+        prefix = f"model.layers.{index}."
+        mine = {n[len(prefix) :]: t for n, t in weights.items() if n.startswith(prefix)}
+        self.layer = DeepseekV3DecoderLayer(config, layer_idx=index).eval()
+        experts = range(config.n_routed_experts)
+        mine["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+            (mine.pop(f"mlp.experts.{e}.gate_proj.weight"),
+             mine.pop(f"mlp.experts.{e}.up_proj.weight"))) for e in experts])  # fmt: skip
+        mine["mlp.experts.down_proj"] = torch.stack(
+            [mine.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts]
+        )
+        own = set(self.layer.state_dict())
+        self.layer.load_state_dict({n: t for n, t in mine.items() if n in own}, strict=True)
+        hidden = config.hidden_size
+        self.enorm, self.hnorm, self.head_norm = (
+            DeepseekV3RMSNorm(hidden, eps=config.rms_norm_eps) for _ in range(3)
+        )
+        self.enorm.weight.data = mine["enorm.weight"]
+        self.hnorm.weight.data = mine["hnorm.weight"]
+        self.head_norm.weight.data = mine["shared_head.norm.weight"]
+        self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.eh_proj.weight.data = mine["eh_proj.weight"]
+
+    @torch.no_grad()
+    def drafts(self, prompt: list[int], k: int) -> tuple[list[int], list[float]]:
+        """The main model's greedy token after ``prompt``, then ``k`` chained drafts after
+        it with each one's probability (temperature 1)."""
+        ids = torch.tensor([prompt])
+        h = self.main.model(input_ids=ids).last_hidden_state[0]  # final norm applied
+        first = int(self.main.lm_head(h[-1]).argmax())
+        inputs = self._inputs([*prompt[1:], first], h)  # position i: t[i+1] and h[i]
+        tokens, confidences = [], []
+        for _ in range(k):
+            out = self._layer(inputs)
+            probs = torch.softmax(self.main.lm_head(self.head_norm(out[-1])), -1)
+            token = int(probs.argmax())
+            tokens.append(token)
+            confidences.append(float(probs[token]))
+            inputs = torch.cat((inputs, self._inputs([token], out[-1:])))
+        return tokens, confidences
+
+    def _inputs(self, next_tokens: list[int], hidden: torch.Tensor) -> torch.Tensor:
+        embed = self.main.model.embed_tokens(torch.tensor(next_tokens))
+        return self.eh_proj(torch.cat((self.enorm(embed), self.hnorm(hidden)), -1))
+
+    def _layer(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        positions = torch.arange(n)[None]
+        cos_sin = self.main.model.rotary_emb(x[None], positions)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        return self.layer(x[None], attention_mask=mask, position_ids=positions,
+                          position_embeddings=cos_sin)[0]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_moe_dir):
+    return tiny_moe_dir("deepseek-v3-mtp")
+
+
+def first_proposals(folder, prompts: list[list[int]]) -> list:
+    """The proposals the engine's MTP drafter makes right after each prompt's prefill (one
+    prompt at a time, K drafts, fixed schedule)."""
+    llm = LLM(EngineConfig(
+        model=str(folder), num_threads=1, cache=CacheConfig(block_size=4, num_blocks=200),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=K,
+                                      schedule="fixed"),
+    ))  # fmt: skip
+    drafter = llm.core.runner.drafter
+    propose, seen = drafter.propose, []
+
+    def recorded(step):
+        proposals = propose(step)
+        seen.append(proposals)
+        return proposals
+
+    drafter.propose = recorded
+    out = []
+    for prompt in prompts:
+        seen.clear()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2 * K, ignore_eos=True))
+        [proposal] = next(p for p in seen if p).values()
+        out.append(proposal)
+    llm.core.check_integrity()
+    return out
+
+
+def test_mtp_drafts_and_confidences_match_deepseeks_definition(folder):
+    reference = ReferenceMTP(folder)
+    for prompt, proposal in zip(PROMPTS, first_proposals(folder, PROMPTS)):
+        tokens, confidences = reference.drafts(prompt, K)
+        assert proposal.start == len(prompt) + 1  # after the prompt and its first token
+        assert proposal.token_ids == tokens
+        assert proposal.confidence == pytest.approx(confidences, rel=1e-4, abs=1e-6)
