@@ -152,6 +152,8 @@ class _BuildBatch:
         threads of one process: layout inference failed), then loaded here. A build that
         fails there is built here again, where its error is raised. Returns how many."""
         todo = list(self._pending.values())
+        if todo and tilelang_available():
+            import tilelang  # noqa: F401 - its first import (~1.5 s) is no compile
         for i, (cache, key, make) in enumerate(todo):
             started = time.perf_counter()
             cache.get(key, make)
