@@ -3,19 +3,22 @@
 Aggregated with prompt lookup and 1P+1D with a draft model (the decode worker drafts)
 answer exactly as a server without speculation: whole replies, streamed ones (several
 tokens may come in one chunk), a stop string and max_tokens in the middle of a step's
-kept drafts, and a request that opts out. ``/metrics`` shows the drafts by position.
+kept drafts, and a request that opts out. ``/metrics`` shows the drafts by position, the
+verify budget and the verify policy's estimate errors.
 A bad temperature list is refused at start with a clear message.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import assert_sound
+from conftest import Server, assert_sound
 from helpers import metric
 
 FLAGS = ("--threads", "1", "--block-size", "16", "--kv-tiers", "none")
@@ -67,22 +70,52 @@ def expected(model, serve, tmp_path_factory) -> dict:
         return answers(s)
 
 
-@pytest.mark.parametrize("topology", ["aggregated", "1p1d"])
-def test_speculative_server_answers_as_one_without(topology, model, expected, serve, tmp_path):
-    if topology == "aggregated":
+@pytest.fixture(scope="module", params=["aggregated", "1p1d"])
+def speculative(request, model, serve, tmp_path_factory) -> Iterator[tuple[Server, dict]]:
+    """A speculative server of each topology and its answers (``answers``), the server
+    kept running for the tests to read."""
+    if request.param == "aggregated":
         flags = ("--aggregated", "--speculative", "ngram")
     else:
         flags = ("--prefill", "1", "--decode", "1", "--local-prefill-tokens", "0",
                  "--speculative", f"draft:{model}")  # fmt: skip
-    with serve(tmp_path / "serve.log", *FLAGS, "--model", str(model), *flags,
+    log = tmp_path_factory.mktemp(f"spec-{request.param}") / "serve.log"
+    with serve(log, *FLAGS, "--model", str(model), *flags,
                "--num-speculative-tokens", "4", "--spec-schedule", "fixed") as s:  # fmt: skip
-        got = answers(s)
-        assert got == expected
-        assert got["stop"] != got[PROMPTS[0]]  # the stop string cut the reply
-        assert metric(s, "ferry_spec_draft_tokens_verified_total", position="1") > 0
-        assert metric(s, "ferry_spec_draft_tokens_accepted_total", position="1") > 0
-        assert metric(s, "ferry_spec_mean_acceptance_length") > 1.0
-        assert_sound(s)
+        yield s, answers(s)
+
+
+def test_speculative_server_answers_as_one_without(speculative, expected):
+    s, got = speculative
+    assert got == expected
+    assert got["stop"] != got[PROMPTS[0]]  # the stop string cut the reply
+    assert metric(s, "ferry_spec_draft_tokens_verified_total", position="1") > 0
+    assert metric(s, "ferry_spec_draft_tokens_accepted_total", position="1") > 0
+    assert metric(s, "ferry_spec_mean_acceptance_length") > 1.0
+    assert_sound(s)
+
+
+def test_metrics_show_drafts_proposed_the_verify_budget_and_the_estimates_errors(speculative):
+    """After speculative requests: drafts proposed at every position, a mean verify budget
+    per step above 0, the acceptance estimates' error above 0 and the step-time estimates'
+    error, all finite."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s, _ = speculative
+    body = httpx.get(f"{s.base_url}/metrics", timeout=30).text
+    samples: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample.value)
+    proposed = samples["ferry_spec_draft_tokens_proposed_total"]
+    assert len(proposed) == 4 and all(v > 0 for v in proposed), proposed
+    [budget] = samples["ferry_spec_mean_verify_budget"]
+    assert 0 < budget <= 4, budget  # one request at a time, 4 drafts at most
+    [acceptance] = samples["ferry_spec_acceptance_estimate_error"]
+    assert math.isfinite(acceptance) and acceptance > 0, acceptance
+    # the fixed schedule predicts no step times: the gauge is there, at 0
+    [step_time] = samples["ferry_spec_step_time_estimate_error"]
+    assert math.isfinite(step_time) and step_time >= 0, step_time
 
 
 def test_a_temperature_list_of_the_wrong_length_is_refused_at_start(model):
