@@ -3,7 +3,7 @@
 #
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
 #                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
-#                       [startup] [sdpa]
+#                       [startup] [sdpa] [mla_paths]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -24,7 +24,8 @@
 # decoding's arms (bench/spec_decode_gpu.py); a full garbage collection of the 8B engine before
 # and after freezing its startup (bench/gc_pause.py); the start-up of dummy:deepseek-v3-4l
 # with an empty kernel cache and again with the one it left, and its first requests
-# (bench/startup.py); SDPA's backends on the MLA prefill's shapes (bench/sdpa_backends.py).
+# (bench/startup.py); SDPA's backends on the MLA prefill's shapes (bench/sdpa_backends.py);
+# a chunk's MLA attention decompressed against absorbed by chunk length (bench/mla_paths.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -103,6 +104,9 @@ for step in "$@"; do
       $LIMIT python3 -m bench.startup --model dummy:deepseek-v3-4l --commit "$COMMIT" \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
         --out "$OUT/startup_h200.json" 2>&1 | tee -a "$OUT/steps.log" | grep -v Warn | tail -3 || status=1 ;;
+    mla_paths)
+      $LIMIT python3 -m bench.mla_paths --out "$OUT/mla_paths_h200.json" \
+        2>&1 | tee -a "$OUT/steps.log" | grep -v Warn | tail -30 || status=1 ;;
     sdpa)
       $LIMIT python3 -m bench.sdpa_backends --out "$OUT/sdpa_backends_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warn | tail -22 || status=1 ;;

@@ -49,7 +49,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardContext,
+    host_to_device,
+)
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
 from engine.models.base import CausalLM, RopeTable, Spliced
@@ -310,8 +315,8 @@ class ModelRunner:
             return
         rows, previous = self._last
         index = np.array([rows[owners[i]] for i in where], dtype=np.int64)
-        ids[_to_device(where.astype(np.int64), self.device)] = previous[
-            _to_device(index, self.device)
+        ids[host_to_device(where.astype(np.int64), self.device)] = previous[
+            host_to_device(index, self.device)
         ]
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
@@ -448,7 +453,8 @@ class ModelRunner:
                 stop = min(start + PROMPT_LOGPROB_ROWS, positions.stop)
                 at = first_row + start - chunk.start_pos
                 logits = self.model.compute_logits(hidden[at : at + stop - start])
-                targets = _to_device(np.array(prompt[start + 1 : stop + 1], np.int64), self.device)
+                following = np.array(prompt[start + 1 : stop + 1], np.int64)
+                targets = host_to_device(following, self.device)
                 k = state.new.sampling.prompt_logprobs or 0
                 state.add_prompt_part(start, self.sampler.prompt_logprobs(logits, targets, k))
             first_row += chunk.num_tokens
@@ -594,7 +600,7 @@ class ModelRunner:
             base += c.num_tokens
         if not rows:
             return None
-        index = _to_device(np.concatenate(rows).astype(np.int64), self.device)
+        index = host_to_device(np.concatenate(rows).astype(np.int64), self.device)
         return Spliced(index, torch.cat(values).to(self.device))
 
 
@@ -624,10 +630,10 @@ def step_inputs(
         dtype=np.int64,
     )
     meta = AttentionMetadata(
-        query_start_loc=_to_device(cu, device),
-        seq_lens=_to_device(np.array(seq_lens, dtype=np.int32), device),
-        block_tables=_to_device(tables, device),
-        slot_mapping=_to_device(slots, device),
+        query_start_loc=host_to_device(cu, device),
+        seq_lens=host_to_device(np.array(seq_lens, dtype=np.int32), device),
+        block_tables=host_to_device(tables, device),
+        slot_mapping=host_to_device(slots, device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_lens_cpu=query_lens,
@@ -635,12 +641,12 @@ def step_inputs(
     )
     input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
     inputs = StepInputs(
-        input_ids=_to_device(input_ids, device),
-        positions=_to_device(
+        input_ids=host_to_device(input_ids, device),
+        positions=host_to_device(
             (positions if rope_positions is None else rope_positions).astype(np.int64), device
         ),
         meta=meta,
-        sample_rows=_to_device(sample_rows, device),
+        sample_rows=host_to_device(sample_rows, device),
         sample_ids=[chunks[i].request_id for i in sampled],
     )
     return inputs, input_ids
@@ -671,11 +677,4 @@ def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
 
 
 def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
-    return _to_device(np.array(rows, dtype=np.int64), device)
-
-def _to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``; to CUDA from pinned memory, without waiting."""
-    tensor = torch.from_numpy(host)
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return host_to_device(np.array(rows, dtype=np.int64), device)

@@ -14,8 +14,9 @@ attend over it. Backends are chosen by device and attention kind through the reg
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.config import MLAConfig
@@ -38,6 +39,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def empty(cls, device: torch.device | str) -> AttentionMetadata:
@@ -57,6 +59,62 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
+
+    def token_rows(self, max_query_len: int) -> TokenRows:
+        """The new tokens of the sequences with at most ``max_query_len`` of them, each as a
+        decode row of its own: a sequence's j-th new token attends over its context up to
+        and including itself, which is the causal mask of its chunk row by row. Built once
+        per step (every layer asks) from the host-side fields, copied to the device
+        without waiting."""
+        rows = self._token_rows.get(max_query_len)
+        if rows is None:
+            rows = self._token_rows[max_query_len] = TokenRows.of(self, max_query_len)
+        return rows
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """``AttentionMetadata.token_rows``: ``rows`` [N], the step's token rows of the short
+    sequences, and ``meta``, one query per row (None when no sequence is short);
+    ``others``, the sequences left (their indices in the step)."""
+
+    rows: torch.Tensor | None
+    meta: AttentionMetadata | None
+    others: tuple[int, ...]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, max_query_len: int) -> TokenRows:
+        start = np.cumsum([0, *meta.query_lens_cpu])
+        short = [i for i, n in enumerate(meta.query_lens_cpu) if n <= max_query_len]
+        others = tuple(i for i, n in enumerate(meta.query_lens_cpu) if n > max_query_len)
+        if not short:
+            return cls(None, None, others)
+        owner = np.concatenate([np.full(meta.query_lens_cpu[i], i) for i in short])
+        rows = np.concatenate([np.arange(start[i], start[i + 1]) for i in short])
+        # the j-th of a sequence's n new tokens sees seq_len - n + 1 + j tokens
+        lens = (np.asarray(meta.seq_lens_cpu)[owner] - start[owner + 1] + rows + 1).tolist()
+        device = meta.seq_lens.device
+        own = host_to_device(owner.astype(np.int64), device)
+        return cls(
+            rows=host_to_device(rows.astype(np.int64), device),
+            meta=AttentionMetadata(
+                query_start_loc=host_to_device(np.arange(len(rows) + 1, dtype=np.int32), device),
+                seq_lens=host_to_device(np.array(lens, dtype=np.int32), device),
+                block_tables=meta.block_tables.index_select(0, own),
+                slot_mapping=meta.slot_mapping[:0],
+                max_query_len=1, max_seq_len=max(lens),
+                query_lens_cpu=[1] * len(rows), seq_lens_cpu=lens,
+            ),  # fmt: skip
+            others=others,
+        )
+
+
+def host_to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``; to CUDA from pinned memory, without waiting."""
+    tensor = torch.from_numpy(host)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class AttentionBackend(ABC):

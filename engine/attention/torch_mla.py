@@ -13,11 +13,20 @@ context, causally.
   themselves as one shared key/value head (``[c, k_pe]`` as keys, ``c`` as values), and
   ``W_UV`` maps the result back per head. That reads ``kv_lora_rank + rope`` values per
   cached token instead of ``H * (nope + rope + v)``, which is the point of MLA at decode.
+- **Mixed steps**: a sequence with at most ``ABSORBED_MAX_QUERY`` new tokens (a decode
+  row, a verify chunk, a prompt's short last chunk) beside a longer one is attended as
+  decode is, each token a row of its own over its context up to itself
+  (``AttentionMetadata.token_rows``); only the longer ones decompress. Decompressing costs
+  ``H * (nope + v) * R * 2`` FLOPs per context token; the absorbed path costs
+  ``H * 2 * (2R - nope - v)`` more than the decompressed one per query and context token,
+  so it is cheaper below ``(nope + v) * R / (2R - nope - v)`` queries (DeepSeek-V3: 170).
+  The cap stays well under that because each row reads its whole context again.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +42,7 @@ from engine.attention.torch_sdpa import each_sequence, padded_contexts, store_ro
 # a square 4k at 2.8 ms per layer against cuDNN's 1.3, and a 1k chunk over a 3k context
 # at 0.93 against 1.9 (H200, 128 heads; bench/results/sdpa_backends_h200.json)
 FUSED_PREFILL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+ABSORBED_MAX_QUERY = 16  # a mixed step's sequences with this many new tokens or fewer
 
 
 class TorchMLABackend(MLABackend):
@@ -48,7 +58,12 @@ class TorchMLABackend(MLABackend):
         store_rows(cache, meta.slot_mapping, latent)
         if meta.is_pure_decode:
             return self.decode(cache, q, kv_b, meta)
-        return self.prefill(cache, q, kv_b, meta)
+        short = meta.token_rows(ABSORBED_MAX_QUERY)
+        out = q.new_empty(q.shape[0], self.num_heads, self.mla.v_head_dim)
+        if short.meta is not None:
+            out[short.rows] = self.decode(cache, q[short.rows], kv_b, short.meta)
+        self._decompressed(cache, q, kv_b, meta, out, short.others)
+        return out
 
     def _up_projections(self, kv_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``kv_b`` as W_UK [H, nope, R] and W_UV [H, v, R] (views)."""
@@ -71,19 +86,31 @@ class TorchMLABackend(MLABackend):
         self, cache: torch.Tensor, query: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Every head of ``query [B, H, R + rope]`` over its sequence's cached latents as
-        one shared key/value head (keys ``[c, k_pe]``, values ``c``) → ``[B, H, R]``."""
-        rows, mask = padded_contexts(cache, meta)  # [B, L, R + rope]
-        keys = rows.unsqueeze(1)  # one head that every query head shares
+        one shared key/value head (keys ``[c, k_pe]``, values ``c``) → ``[B, H, R]``. The
+        heads go in as the queries of one head, so the latents are read as they are, not
+        repeated per head."""
+        rows, mask = padded_contexts(cache, meta)  # [B, L, R + rope], [B, 1, 1, L]
+        keys = rows.unsqueeze(1)  # [B, 1, L, R + rope]: one head that every query head shares
         values = keys[..., : self.mla.kv_lora_rank]
         out = F.scaled_dot_product_attention(
-            query.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )  # [B, H, 1, R]
-        return out.squeeze(2)
+            query.unsqueeze(1), keys, values, attn_mask=mask, scale=self.scale
+        )  # [B, 1, H, R]
+        return out.squeeze(1)
 
     def prefill(
         self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Attention over decompressed keys and values, sequence by sequence.
+        """Attention over decompressed keys and values for every sequence of the step."""
+        out = q.new_empty(q.shape[0], self.num_heads, self.mla.v_head_dim)
+        self._decompressed(cache, q, kv_b, meta, out, range(meta.num_seqs))
+        return out
+
+    def _decompressed(
+        self, cache: torch.Tensor, q: torch.Tensor, kv_b: torch.Tensor, meta: AttentionMetadata,
+        out: torch.Tensor, seqs: Collection[int],
+    ) -> None:  # fmt: skip
+        """Attention over decompressed keys and values, sequence by sequence, for the
+        sequences ``seqs`` of the step, written into their rows of ``out``.
 
         On CUDA (a bf16/fp16 cache) in the cache's dtype — the queries can arrive in float32
         from the rotary step — with SDPA's own causal mask aligned to the last key (a chunk
@@ -94,12 +121,11 @@ class TorchMLABackend(MLABackend):
         explicit mask over 3-D operands, which keeps the math kernel: the CPU's fused one
         rounds bf16 further from float32."""
         mla = self.mla
-        out = q.new_empty(q.shape[0], self.num_heads, mla.v_head_dim)
         fused = q.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
         dtype = cache.dtype if fused else q.dtype
         pad = mla.qk_head_dim - mla.v_head_dim if fused else 0
         kv_b = kv_b.to(dtype)
-        for tokens, rows, mask in each_sequence(cache, meta, masks=not fused):
+        for tokens, rows, mask in each_sequence(cache, meta, masks=not fused, seqs=seqs):
             c, k_pe = rows.to(dtype).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             kv = F.linear(c, kv_b).unflatten(-1, (self.num_heads, -1))  # [L, H, nope + v]
             k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
@@ -114,4 +140,3 @@ class TorchMLABackend(MLABackend):
                 o = F.scaled_dot_product_attention(*operands, attn_mask=mask, scale=self.scale)
             o = o[0] if fused else o  # [H, q_len, D]
             out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
-        return out

@@ -8,7 +8,7 @@ they mean.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,22 +41,25 @@ def padded_contexts(
 
 
 def each_sequence(
-    cache: torch.Tensor, meta: AttentionMetadata, masks: bool = True
-) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:
-    """Per sequence: its new tokens' rows in the step, its context rows [L, width], and
-    the causal mask [q_len, L] of its queries over them (None for a single query, or
-    without ``masks``)."""
+    cache: torch.Tensor, meta: AttentionMetadata, masks: bool = True,
+    seqs: Collection[int] | None = None,
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+    """Per sequence (of ``seqs``, the step's indices, or all): its new tokens' rows in the
+    step, its context rows [L, width], and the causal mask [q_len, L] of its queries over
+    them (None for a single query, or without ``masks``)."""
     block_size = cache.shape[1]
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        start += q_len
+        if seqs is not None and i not in seqs:
+            continue
         num_blocks = -(-seq_len // block_size)
         rows = gather_rows(cache, meta.block_tables[i, :num_blocks], seq_len)
         mask = None
         if q_len > 1 and masks:
             queries = torch.arange(seq_len - q_len, seq_len, device=cache.device)
             mask = queries[:, None] >= torch.arange(seq_len, device=cache.device)[None, :]
-        yield slice(start, start + q_len), rows, mask
-        start += q_len
+        yield slice(start - q_len, start), rows, mask
 
 
 class TorchSDPABackend(AttentionBackend):

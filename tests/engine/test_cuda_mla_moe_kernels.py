@@ -118,3 +118,32 @@ def test_mla_prefill_through_the_fused_backends_matches_the_math_kernel(monkeypa
     monkeypatch.setattr(torch_mla, "FUSED_PREFILL", [SDPBackend.MATH])
     math = backend.prefill(cache, q, kv_b.to(torch.bfloat16), meta).float()
     assert ((fused - math).norm() / math.norm()).item() < 1e-2
+
+
+def test_a_mixed_steps_short_sequences_through_the_kernel_match_the_math_kernel(monkeypatch):
+    """A mixed step: a prompt's long chunk beside a decode row and a verify chunk of five
+    tokens. The short ones go through the MLA decode kernel, each token a row of its own
+    (``torch_mla.ABSORBED_MAX_QUERY``); all of it against SDPA's math kernel over
+    decompressed keys and values."""
+    runner = make_runner("tilelang")
+    backend, mla, heads = runner.backend, KERNEL_WIDE.mla, KERNEL_WIDE.num_heads
+    assert isinstance(backend, TileLangMLABackend)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    cache = backend.cache.layers[0]
+    cache.copy_(torch.randn(cache.shape, generator=g, device="cuda").to(cache.dtype))
+    kv_b = 0.1 * torch.randn(heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                             mla.kv_lora_rank, generator=g, device="cuda")  # fmt: skip
+    tables = [list(range(1 + PER_SEQ * i, 1 + PER_SEQ * (i + 1))) for i in range(3)]
+    chunks = [
+        ScheduledChunk("decode", [0], 700, tables[0], True),
+        ScheduledChunk("prompt", [0] * 300, 200, tables[1], True),
+        ScheduledChunk("verify", [0] * 5, 1000, tables[2], True, num_draft=4),
+    ]
+    meta = step_inputs(chunks, BLOCK, torch.device("cuda"))[0].meta
+    q = torch.randn(306, heads, mla.qk_head_dim, generator=g, device="cuda").to(torch.bfloat16)
+    latent = torch.randn(306, mla.latent_dim, generator=g, device="cuda").to(torch.bfloat16)
+    mixed = backend.forward(0, q, latent, kv_b.to(torch.bfloat16), meta).float()
+    assert meta.token_rows(torch_mla.ABSORBED_MAX_QUERY).others == (1,)
+    monkeypatch.setattr(torch_mla, "FUSED_PREFILL", [SDPBackend.MATH])
+    math = backend.prefill(cache, q, kv_b.to(torch.bfloat16), meta).float()
+    assert ((mixed - math).norm() / math.norm()).item() < 1e-2

@@ -12,7 +12,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
 from engine.attention import build_backend
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_mla import TorchMLABackend
+from engine.attention.torch_mla import ABSORBED_MAX_QUERY, TorchMLABackend
 from engine.config import MLAConfig, ModelConfig, RopeScaling
 from engine.models.rotary import (
     RotaryEmbedding,
@@ -69,6 +69,56 @@ def test_absorbed_decode_equals_attention_over_decompressed_keys_and_values(seq_
     decompressed = backend.prefill(layer, q, kv_b, meta)
     assert absorbed.shape == (len(seq_lens), HEADS, MLA.v_head_dim)
     torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
+
+
+def _mixed_step(query_lens: list[int], seq_lens: list[int], num_blocks: int = 128):
+    """A cache of random latents and a step of ``query_lens[i]`` new tokens at the end of
+    sequence i's ``seq_lens[i]``, blocks scattered."""
+    g = torch.Generator().manual_seed(1)
+    layout = KVCacheLayout.for_mla(1, MLA.kv_lora_rank, MLA.qk_rope_head_dim, BLOCK,
+                                   torch.float32)  # fmt: skip
+    cache = KVCache(layout, num_blocks, "cpu")
+    cache.storage.copy_(torch.randn(cache.shape, generator=g))
+    max_blocks = -(-max(seq_lens) // BLOCK)
+    blocks = torch.randperm(num_blocks - 1, generator=g)[: len(seq_lens) * max_blocks] + 1
+    tables = blocks.view(len(seq_lens), max_blocks).to(torch.int32)
+    owner = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens))
+    positions = torch.cat([torch.arange(s - n, s) for n, s in zip(query_lens, seq_lens)])
+    slots = tables[owner, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+        slot_mapping=slots, max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+    )  # fmt: skip
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, HEADS, MLA.qk_head_dim, generator=g)
+    latent = torch.randn(tokens, MLA.latent_dim, generator=g)
+    kv_b = torch.randn(HEADS * (MLA.qk_nope_head_dim + MLA.v_head_dim), MLA.kv_lora_rank,
+                       generator=g) * 0.2  # fmt: skip
+    return cache, meta, q, latent, kv_b
+
+
+@pytest.mark.parametrize(
+    "query_lens, seq_lens",
+    [([1, 3, 20, 1], [9, 40, 20, 33]), ([17, 16, 2], [17, 50, 7]), ([5, 40], [5, 61])],
+)
+def test_a_mixed_steps_short_sequences_attend_absorbed_as_the_decompressed_path_does(
+    query_lens, seq_lens
+):
+    """Decode rows, verify chunks and short chunks beside a prompt's long chunk take the
+    absorbed path, each token a row of its own (``ABSORBED_MAX_QUERY``); the result is
+    attention over decompressed keys and values, causal within each chunk."""
+    cache, meta, q, latent, kv_b = _mixed_step(query_lens, seq_lens)
+    backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
+    short = meta.token_rows(ABSORBED_MAX_QUERY)
+    assert short.others == tuple(i for i, n in enumerate(query_lens) if n > 16)
+    assert short.meta.seq_lens_cpu == [s - n + 1 + j for n, s in zip(query_lens, seq_lens)
+                                       if n <= 16 for j in range(n)]  # fmt: skip
+    mixed = backend.forward(0, q, latent, kv_b, meta)
+    assert meta.token_rows(ABSORBED_MAX_QUERY) is short  # built once a step
+    decompressed = backend.prefill(cache.layers[0], q, kv_b, meta)
+    torch.testing.assert_close(mixed, decompressed, rtol=1e-5, atol=1e-5)
 
 
 def _hf_rope_config(rope: dict) -> DeepseekV3Config:
