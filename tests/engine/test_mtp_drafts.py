@@ -100,9 +100,11 @@ def folder(tiny_moe_dir):
     return tiny_moe_dir("deepseek-v3-mtp")
 
 
-def first_proposals(folder, prompts: list[list[int]]) -> list:
-    """The proposals the engine's MTP drafter makes right after each prompt's prefill (one
-    prompt at a time, K drafts, fixed schedule)."""
+def proposals(folder, prompts: list[list[int]], max_tokens: int) -> list[tuple[list, list]]:
+    """Per prompt (one at a time, K drafts, fixed schedule): prompt + output, and every
+    proposal the engine's MTP drafter made for it, the first right after the prefill, the
+    next ones after each verify step (whose drafts the test layer never gets kept: each
+    pass then overwrites the KV its chain wrote at the lookahead positions)."""
     llm = LLM(EngineConfig(
         model=str(folder), num_threads=1, cache=CacheConfig(block_size=4, num_blocks=200),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
@@ -114,24 +116,27 @@ def first_proposals(folder, prompts: list[list[int]]) -> list:
 
     def recorded(step):
         proposals = propose(step)
-        seen.append(proposals)
+        seen.extend(proposals.values())
         return proposals
 
     drafter.propose = recorded
     out = []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in prompts:
         seen.clear()
-        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2 * K, ignore_eos=True))
-        [proposal] = next(p for p in seen if p).values()
-        out.append(proposal)
+        [result] = llm.generate([prompt], params)
+        out.append((prompt + result.token_ids, list(seen)))
     llm.core.check_integrity()
     return out
 
 
 def test_mtp_drafts_and_confidences_match_deepseeks_definition(folder):
     reference = ReferenceMTP(folder)
-    for prompt, proposal in zip(PROMPTS, first_proposals(folder, PROMPTS)):
-        tokens, confidences = reference.drafts(prompt, K)
-        assert proposal.start == len(prompt) + 1  # after the prompt and its first token
-        assert proposal.token_ids == tokens
-        assert proposal.confidence == pytest.approx(confidences, rel=1e-4, abs=1e-6)
+    for tokens, made in proposals(folder, PROMPTS, max_tokens=2 * K + 2):
+        assert [p.start for p in made[:2]] == [len(tokens) - 2 * K - 1, len(tokens) - 2 * K]
+        assert len(made) >= 3
+        for proposal in made:  # each after the sequence up to its first draft's token
+            drafts, confidences = reference.drafts(tokens[: proposal.start - 1], K)
+            n = len(proposal.token_ids)
+            assert proposal.token_ids == drafts[:n]
+            assert proposal.confidence == pytest.approx(confidences[:n], rel=1e-4, abs=1e-6)
