@@ -26,55 +26,10 @@ MLA = MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head
 HEADS, BLOCK = 4, 4
 
 
-def _decode_batch(seq_lens: list[int], num_blocks: int = 64, seed: int = 0):
-    """A cache of random latents and one query per sequence, blocks scattered."""
-    g = torch.Generator().manual_seed(seed)
-    layout = KVCacheLayout.for_mla(1, MLA.kv_lora_rank, MLA.qk_rope_head_dim, BLOCK,
-                                   torch.float32)  # fmt: skip
-    cache = KVCache(layout, num_blocks, "cpu")
-    cache.storage.copy_(torch.randn(cache.shape, generator=g))
-    max_blocks = -(-max(seq_lens) // BLOCK)
-    blocks = torch.randperm(num_blocks - 1, generator=g)[: len(seq_lens) * max_blocks] + 1
-    tables = blocks.view(len(seq_lens), max_blocks).to(torch.int32)
-    last = torch.tensor([n - 1 for n in seq_lens])
-    slots = tables[torch.arange(len(seq_lens)), last // BLOCK].long() * BLOCK + last % BLOCK
-    meta = AttentionMetadata(
-        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables, slot_mapping=slots, max_query_len=1,
-        max_seq_len=max(seq_lens), query_lens_cpu=[1] * len(seq_lens), seq_lens_cpu=seq_lens,
-    )  # fmt: skip
-    q = torch.randn(len(seq_lens), HEADS, MLA.qk_head_dim, generator=g)
-    latent = torch.randn(len(seq_lens), MLA.latent_dim, generator=g)
-    kv_b = torch.randn(HEADS * (MLA.qk_nope_head_dim + MLA.v_head_dim), MLA.kv_lora_rank,
-                       generator=g) * 0.2  # fmt: skip
-    return cache, meta, q, latent, kv_b
-
-
-def test_build_backend_gives_mla_models_the_mla_backend():
-    layout = KVCacheLayout.for_mla(2, 32, 8, BLOCK, torch.float32)
-    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
-                         num_heads=HEADS, num_kv_heads=HEADS, head_dim=24, mla=MLA)  # fmt: skip
-    backend = build_backend(KVCache(layout, 8, "cpu"), config, 0.1, "cpu")
-    assert isinstance(backend, TorchMLABackend) and backend.mla == MLA
-
-
-@pytest.mark.parametrize("seq_lens", [[1], [5, 17, 9], [16, 3, 30, 8]])
-def test_absorbed_decode_equals_attention_over_decompressed_keys_and_values(seq_lens):
-    cache, meta, q, latent, kv_b = _decode_batch(seq_lens)
-    backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
-    absorbed = backend.forward(0, q, latent, kv_b, meta)  # a pure decode step: absorbed
-    layer = cache.layers[0]
-    assert torch.equal(layer.view(-1, MLA.latent_dim)[meta.slot_mapping], latent)
-    decompressed = backend.prefill(layer, q, kv_b, meta)
-    assert absorbed.shape == (len(seq_lens), HEADS, MLA.v_head_dim)
-    torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
-
-
-def _mixed_step(query_lens: list[int], seq_lens: list[int], num_blocks: int = 128):
+def _step(query_lens: list[int], seq_lens: list[int], num_blocks: int = 64, seed: int = 0):
     """A cache of random latents and a step of ``query_lens[i]`` new tokens at the end of
     sequence i's ``seq_lens[i]``, blocks scattered."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     layout = KVCacheLayout.for_mla(1, MLA.kv_lora_rank, MLA.qk_rope_head_dim, BLOCK,
                                    torch.float32)  # fmt: skip
     cache = KVCache(layout, num_blocks, "cpu")
@@ -99,6 +54,31 @@ def _mixed_step(query_lens: list[int], seq_lens: list[int], num_blocks: int = 12
     return cache, meta, q, latent, kv_b
 
 
+def _decode_batch(seq_lens: list[int], num_blocks: int = 64, seed: int = 0):
+    """A cache of random latents and one query per sequence, blocks scattered."""
+    return _step([1] * len(seq_lens), seq_lens, num_blocks, seed)
+
+
+def test_build_backend_gives_mla_models_the_mla_backend():
+    layout = KVCacheLayout.for_mla(2, 32, 8, BLOCK, torch.float32)
+    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
+                         num_heads=HEADS, num_kv_heads=HEADS, head_dim=24, mla=MLA)  # fmt: skip
+    backend = build_backend(KVCache(layout, 8, "cpu"), config, 0.1, "cpu")
+    assert isinstance(backend, TorchMLABackend) and backend.mla == MLA
+
+
+@pytest.mark.parametrize("seq_lens", [[1], [5, 17, 9], [16, 3, 30, 8]])
+def test_absorbed_decode_equals_attention_over_decompressed_keys_and_values(seq_lens):
+    cache, meta, q, latent, kv_b = _decode_batch(seq_lens)
+    backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
+    absorbed = backend.forward(0, q, latent, kv_b, meta)  # a pure decode step: absorbed
+    layer = cache.layers[0]
+    assert torch.equal(layer.view(-1, MLA.latent_dim)[meta.slot_mapping], latent)
+    decompressed = backend.prefill(layer, q, kv_b, meta)
+    assert absorbed.shape == (len(seq_lens), HEADS, MLA.v_head_dim)
+    torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "query_lens, seq_lens",
     [([1, 3, 20, 1], [9, 40, 20, 33]), ([17, 16, 2], [17, 50, 7]), ([5, 40], [5, 61])],
@@ -109,7 +89,7 @@ def test_a_mixed_steps_short_sequences_attend_absorbed_as_the_decompressed_path_
     """Decode rows, verify chunks and short chunks beside a prompt's long chunk take the
     absorbed path, each token a row of its own (``ABSORBED_MAX_QUERY``); the result is
     attention over decompressed keys and values, causal within each chunk."""
-    cache, meta, q, latent, kv_b = _mixed_step(query_lens, seq_lens)
+    cache, meta, q, latent, kv_b = _step(query_lens, seq_lens, num_blocks=128, seed=1)
     backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
     short = meta.token_rows(ABSORBED_MAX_QUERY)
     assert short.others == tuple(i for i, n in enumerate(query_lens) if n > 16)
