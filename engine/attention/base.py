@@ -39,7 +39,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    _token_rows: dict[int, TokenRows] = field(default_factory=dict, repr=False, compare=False)
+    _token_rows: dict[int, TokenRows] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )  # built once a step (token_rows), never copied to another
 
     @classmethod
     def empty(cls, device: torch.device | str) -> AttentionMetadata:
