@@ -186,7 +186,7 @@ class DecodeGraphs:
         """Capture every bucket, largest first, all in one memory pool. First one dry run
         of every bucket inside ``parallel_builds``, so that the kernels they need are all
         built at once (154 s one after another on a new machine for deepseek-v3-4l, 138
-        of them building; bench/results/startup_h200.json)."""
+        of them building; bench/results/startup_h200_2aae27c.json)."""
         start = time.perf_counter()
         with parallel_builds():
             for size in self.sizes:
