@@ -37,7 +37,7 @@ new prompts' chunks share steps with the others' verification). A point whose re
 yield fewer than ``--min-arm-tokens`` tokens runs again, arms in the reverse order, until
 each arm has yielded that many: the eager steps that prefill are issued from the host,
 whose speed shifts for seconds at a time on a shared machine (the 32 prefills of one arm
-at one stream took 18-20 ms each where the next arm's took 11), and one pass of such a
+at one stream took 18-20 ms each where another arm's took 11), and one pass of such a
 point lasts about that long. Every arm errs alone: its
 record holds the error and the run goes on; past ``--budget-s`` (sized so the whole sweep
 ends within ~8 minutes on an H200) the points left are recorded as skipped.
