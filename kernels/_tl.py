@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
+import hashlib
 import importlib.util
 import logging
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -89,7 +93,38 @@ class TileLangBuild:
         import tilelang
 
         configs = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if self.fast_math else None
-        return tilelang.jit(out_idx=None, pass_configs=configs)(self.program)(*self.args)
+        kernel = tilelang.jit(out_idx=None, pass_configs=configs)(self.program)(*self.args)
+        mark = self._mark()
+        if mark is not None:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        return kernel
+
+    def built_before(self) -> bool:
+        """Whether this kernel was built before on this machine, so that building it now
+        loads it from TileLang's disk cache rather than compiling it: a mark left beside
+        that cache by the build (in any process), keyed by the program's source file, its
+        arguments and TileLang's version. Clearing the cache clears the marks."""
+        mark = self._mark()
+        return mark is not None and mark.exists()
+
+    def _mark(self) -> Path | None:
+        from tilelang import __version__
+        from tilelang.env import env
+
+        if not env.is_cache_enabled():
+            return None
+        identity = repr((self.program.__module__, self.program.__qualname__,
+                         _source_digest(self.program.__module__), self.args, self.fast_math,
+                         __version__, os.environ.get("TILELANG_DEFAULT_TARGET")))  # fmt: skip
+        digest = hashlib.sha256(identity.encode()).hexdigest()[:32]
+        return Path(env.TILELANG_CACHE_DIR) / "ferry-builds" / digest
+
+
+@functools.cache
+def _source_digest(module: str) -> str:
+    """A digest of a module's source file: a kernel's program changes with it."""
+    return hashlib.sha256(Path(sys.modules[module].__file__).read_bytes()).hexdigest()
 
 
 class KernelCache:
@@ -122,9 +157,6 @@ class KernelCache:
         return len(self._kernels)
 
 
-COMPILED_S = 1.0  # a build slower than this compiled (a load from the disk cache: ~0.1 s)
-
-
 def _skipped(*args: Any, **kwargs: Any) -> None:
     """What a kernel not built yet runs inside ``parallel_builds``: nothing."""
 
@@ -146,21 +178,18 @@ class _BuildBatch:
         return _skipped
 
     def finish(self) -> int:
-        """Build every kernel asked for, here, one after another while they load from the
-        disk cache; once one has to be compiled, the rest are compiled first on
-        ``workers`` processes at once (TileLang's compiler is not safe to run in several
-        threads of one process: layout inference failed), then loaded here. A build that
-        fails there is built here again, where its error is raised. Returns how many."""
+        """Build every kernel asked for. Those never built on this machine before
+        (``built_before``) are compiled first, on ``workers`` processes at once when there
+        are several (TileLang's compiler is not safe to run in several threads of one
+        process: layout inference failed); then each is built here, in the order asked,
+        which loads it from the disk cache. A build that failed on a worker is built here
+        again, where its error is raised. Returns how many."""
         todo = list(self._pending.values())
-        if todo and tilelang_available():
-            import tilelang  # noqa: F401 - its first import (~1.5 s) is no compile
-        for i, (cache, key, make) in enumerate(todo):
-            started = time.perf_counter()
+        fresh = [item for item in todo if not item[2](item[1]).built_before()]
+        if len(fresh) > 1 and self.workers > 1:
+            _compile_in_processes(fresh, self.workers)
+        for cache, key, make in todo:
             cache.get(key, make)
-            rest = todo[i + 1 :]
-            if rest and self.workers > 1 and time.perf_counter() - started > COMPILED_S:
-                _compile_in_processes(rest, self.workers)
-                self.workers = 1  # once: what is left loads
         return len(todo)
 
 

@@ -1,7 +1,7 @@
 """Kernel builds done all at once (``kernels.parallel_builds``), as an engine's start-up
 asks for them: calls inside run nothing; leaving the section builds every kernel asked
-for, loading one after another while they come from the disk cache and, once one has to
-be compiled, compiling the rest on worker processes at once before loading them."""
+for: those never built before are compiled on worker processes at once, then every one
+loads here."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ class FakeBuild:
 
     folder: str
     name: str
+
+    def built_before(self) -> bool:
+        return (Path(self.folder) / self.name).exists()
 
     def build(self):
         folder = Path(self.folder)
@@ -53,12 +56,7 @@ def builds(folder: Path) -> list[tuple[str, str, bool]]:
     return [(a, n, int(p) == os.getpid()) for a, n, p in zip(lines[::3], lines[1::3], lines[2::3])]
 
 
-@pytest.fixture(autouse=True)
-def fast_threshold(monkeypatch):
-    monkeypatch.setattr(_tl, "COMPILED_S", BUILD_S / 3)
-
-
-def test_once_a_kernel_must_be_compiled_the_rest_compile_on_workers_then_load_here(tmp_path):
+def test_kernels_never_built_compile_on_workers_at_once_then_load_here(tmp_path):
     caches, ran = [KernelCache(), KernelCache()], []
     names = [f"k{i}" for i in range(5)]
     with parallel_builds(workers=2):
@@ -67,11 +65,25 @@ def test_once_a_kernel_must_be_compiled_the_rest_compile_on_workers_then_load_he
         caches[0].get((str(tmp_path), "k0"), fake_make)(ran)  # asked twice, built once
     assert ran == [] and sum(map(len, caches)) == 5
     log = builds(tmp_path)
-    assert log[0] == ("compile", "k0", True)  # the first: here, and it compiled
-    assert sorted(n for a, n, here in log if a == "compile" and not here) == names[1:]
-    assert [(a, here) for a, n, here in log[-4:]] == [("load", True)] * 4  # then loaded here
+    assert sorted(n for a, n, here in log[:5] if a == "compile" and not here) == names
+    assert log[5:] == [("load", n, True) for n in names]  # then loaded here, in order
     caches[1].get((str(tmp_path), "k3"), fake_make)(ran)  # served from the cache now
     assert ran == ["k3"] and len(builds(tmp_path)) == len(log)
+
+
+def test_only_the_kernels_never_built_go_to_workers_and_one_alone_compiles_here(tmp_path):
+    (tmp_path / "old").write_text("")
+    cache = KernelCache()
+    with parallel_builds(workers=4):
+        for name in ("old", "new1", "new2"):
+            cache.get((str(tmp_path), name), fake_make)
+    log = builds(tmp_path)
+    assert sorted((a, n, here) for a, n, here in log[:2]) == [("compile", "new1", False),
+                                                              ("compile", "new2", False)]
+    assert log[2:] == [("load", n, True) for n in ("old", "new1", "new2")]
+    with parallel_builds(workers=4):
+        cache.get((str(tmp_path), "new3"), fake_make)
+    assert builds(tmp_path)[-1] == ("compile", "new3", True)  # no workers for one kernel
 
 
 def test_kernels_already_compiled_load_one_after_another_with_no_workers(tmp_path):
