@@ -46,7 +46,7 @@ from engine.vision import MAX_DECODE_PIXELS, VisionEncoder
 from engine.worker.config import WorkerConfig
 from engine.worker.shell import Outbox, WorkerRole
 from engine.worker.shell import main as worker_main
-from kernels import compile_seconds
+from kernels import compile_seconds, parallel_builds
 from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kvstore.events import KVEvent
 from kvstore.hashing import extra_keys
@@ -147,24 +147,7 @@ class EngineCore:
                                   proposes=scheduler_cls.drafts,
                                   embeddings=self.media.get)  # fmt: skip
         self._inflight: tuple[StepPlan, Any] | None = None  # a step still running (overlap)
-        warming, compiled_before = time.perf_counter(), compile_seconds()
-        if experts is None:  # an expert-parallel rank's forwards need its whole group
-            self.runner.warm_up(warm_up_steps(config.device, self.config.scheduler,
-                                              self.max_model_len))  # fmt: skip
-        self.startup["warm_up"] = (time.perf_counter() - warming
-                                   - (compile_seconds() - compiled_before))  # fmt: skip
-        captured, compiled_before = time.perf_counter(), compile_seconds()
-        if torch.device(config.device).type == "cuda" and not config.enforce_eager:
-            if experts is None or experts.dispatcher.capturable:
-                sched = self.config.scheduler
-                graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len)
-                spec.graphs(max(graphs.sizes))
-            else:
-                log.info("decode steps run eagerly: the %s cannot be captured",
-                         type(experts.dispatcher).__name__)  # fmt: skip
-        self.startup["graphs"] = (
-            time.perf_counter() - captured - (compile_seconds() - compiled_before)
-        )
+        self._warm_up(config, experts, spec)
         self.startup["compile"] = compile_seconds() - compiled
         self.hash_extra = extra_keys(self.fingerprint)  # what this model's block hashes mix in
         so = config.structured
@@ -173,6 +156,38 @@ class EngineCore:
                 loaded.tokenizer, mc.vocab_size, so.grammar_cache_mb << 20, so.compile_threads
             )
         )
+
+    def _warm_up(
+        self, config: EngineConfig, experts: ExpertParallel | None, spec: SpecDecoding
+    ) -> None:
+        """Run the warm-up steps (``warm_up_steps``) and capture the decode graphs, after
+        one dry run of both inside ``parallel_builds``: the kernels either needs and
+        nothing built yet are compiled at once, in one pool of processes (two sections
+        each waited for a pool and its slowest kernel: the MLA decode kernel's ~32 s on an
+        H200). An expert-parallel rank does not warm up (its forwards need its whole
+        group), and its decode graphs only where its dispatcher can be captured."""
+        sched = self.config.scheduler
+        steps = warm_up_steps(config.device, sched, self.max_model_len) if experts is None else ()
+        graphs = None
+        if torch.device(config.device).type == "cuda" and not config.enforce_eager:
+            if experts is None or experts.dispatcher.capturable:
+                graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
+                                                           capture=False)  # fmt: skip
+            else:
+                log.info("decode steps run eagerly: the %s cannot be captured",
+                         type(experts.dispatcher).__name__)  # fmt: skip
+        started, compiled = time.perf_counter(), compile_seconds()
+        with parallel_builds():
+            self.runner.warm_up_forwards(steps)
+            if graphs is not None:
+                graphs.dry_run()
+        self.runner.warm_up_forwards(steps)
+        self.startup["warm_up"] = time.perf_counter() - started - (compile_seconds() - compiled)
+        captured, compiled = time.perf_counter(), compile_seconds()
+        if graphs is not None:
+            graphs.capture()
+            spec.graphs(max(graphs.sizes))
+        self.startup["graphs"] = time.perf_counter() - captured - (compile_seconds() - compiled)
 
     def _encoder(self, model: torch.nn.Module) -> VisionEncoder | None:
         """The vision encoder of a model built with its tower (None: text only, or the

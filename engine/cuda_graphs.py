@@ -82,15 +82,14 @@ class DecodeGraphs:
         self.max_seq_len = max_seq_len
         self.max_blocks = math.ceil(max_seq_len / block_size)
         self.device = next(model.parameters()).device
-        if capture and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
         self.sizes = batch_buckets(max_batch, buckets)
         self._buckets = {b: self._allocate(b) for b in self.sizes}
         self.captured = False
+        self._dry_ran = False
         # fills in tokens sampled by a step still running (ModelRunner.resolve_inputs)
         self.resolve_inputs = None
         if capture:
-            self._capture()
+            self.capture()
 
     @property
     def max_batch(self) -> int:
@@ -182,16 +181,27 @@ class DecodeGraphs:
             hidden = self.model(ids, positions, ForwardContext(bucket.meta, self.backend))
             return hidden, self.model.compute_logits(hidden)
 
-    def _capture(self) -> None:
-        """Capture every bucket, largest first, all in one memory pool. First one dry run
-        of every bucket inside ``parallel_builds``, so that the kernels they need are all
-        built at once (154 s one after another on a new machine for deepseek-v3-4l, 138
-        of them building; bench/results/startup_h200_2aae27c.json)."""
+    def dry_run(self) -> None:
+        """One forward of every bucket over padding, inside a ``parallel_builds`` section:
+        what asks for the kernels the graphs need, so that they are built at once."""
+        for size in self.sizes:
+            self._fill(self._buckets[size], [])
+            self._forward(self._buckets[size])
+        self._dry_ran = True
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first, all in one memory pool (until now the
+        buckets ran eagerly). First a dry run inside ``parallel_builds``, so that the
+        kernels they need and nothing built yet are built at once (154 s one after another
+        on a new machine for deepseek-v3-4l, 138 of them building;
+        bench/results/startup_h200_2aae27c.json); an engine's start-up has built them in
+        the dry run it shares with its warm-up (``EngineCore``), and this one is skipped."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
         start = time.perf_counter()
-        with parallel_builds():
-            for size in self.sizes:
-                self._fill(self._buckets[size], [])
-                self._forward(self._buckets[size])
+        if not self._dry_ran:
+            with parallel_builds():
+                self.dry_run()
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             bucket = self._buckets[size]

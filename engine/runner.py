@@ -40,7 +40,6 @@ one synchronisation.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -410,24 +409,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.sample_rows]), hidden
 
     def warm_up(self, steps: Sequence[Sequence[int]]) -> None:
-        """Before serving: one forward for each step, a sequence of that many tokens for
-        each of its lengths, then the logits of every sequence's last row, so that the first
-        requests do not pay what a first use costs. A dry run first, inside
+        """Before serving: ``warm_up_forwards``, first as a dry run inside
         ``parallel_builds`` (the TileLang kernels these steps need that nothing built yet,
-        all at once), then the real one (library plans, workspaces, the allocator's pools).
-        The tokens are 0s over the null block (block 0, never handed out): no real block is
-        touched."""
+        all at once), then for real (library plans, workspaces, the allocator's pools)."""
+        with parallel_builds():
+            self.warm_up_forwards(steps)
+        self.warm_up_forwards(steps)
+
+    def warm_up_forwards(self, steps: Sequence[Sequence[int]]) -> None:
+        """One forward for each step, a sequence of that many tokens for each of its
+        lengths, then the logits of every sequence's last row, so that the first requests
+        do not pay what a first use costs. The tokens are 0s over the null block (block 0,
+        never handed out): no real block is touched."""
         with torch.inference_mode():
-            for dry_run in (True, False):
-                with parallel_builds() if dry_run else contextlib.nullcontext():
-                    for lengths in steps:
-                        chunks = [ScheduledChunk(f"warm-up-{i}", [0] * n, 0,
-                                                 [0] * -(-n // self.block_size), sample=True)
-                                  for i, n in enumerate(lengths)]  # fmt: skip
-                        inputs, _ = step_inputs(chunks, self.block_size, self.device)
-                        ctx = ForwardContext(inputs.meta, self.backend)
-                        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
-                        self.model.compute_logits(hidden[inputs.sample_rows])
+            for lengths in steps:
+                chunks = [ScheduledChunk(f"warm-up-{i}", [0] * n, 0,
+                                         [0] * -(-n // self.block_size), sample=True)
+                          for i, n in enumerate(lengths)]  # fmt: skip
+                inputs, _ = step_inputs(chunks, self.block_size, self.device)
+                ctx = ForwardContext(inputs.meta, self.backend)
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+                self.model.compute_logits(hidden[inputs.sample_rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
