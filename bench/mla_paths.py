@@ -10,7 +10,7 @@ latent cache, DeepSeek-V3's MLA shapes (kv_lora_rank 512, rope 64, nope 128, v 1
 (TileLang's on CUDA): ``decompressed`` is its prefill path (``W_UK``/``W_UV`` applied to
 every cached latent, then SDPA's fused attention), ``absorbed`` its decode path with each
 new token a decode row of its own (``AttentionMetadata.token_rows``: what a mixed step
-does for a sequence of at most ``torch_mla.ABSORBED_MAX_QUERY`` new tokens). Both are
+does for a sequence of at most ``torch_mla.absorbed_max_query`` new tokens). Both are
 checked against each other, then timed as a layer of an eager step runs them (the row
 metadata built once, as a step builds it once for every layer): calls back to back, the
 device waited for at the end, median of ``--repeats`` rounds. The FLOP count says the

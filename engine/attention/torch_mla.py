@@ -13,14 +13,17 @@ context, causally.
   themselves as one shared key/value head (``[c, k_pe]`` as keys, ``c`` as values), and
   ``W_UV`` maps the result back per head. That reads ``kv_lora_rank + rope`` values per
   cached token instead of ``H * (nope + rope + v)``, which is the point of MLA at decode.
-- **Mixed steps**: a sequence with at most ``ABSORBED_MAX_QUERY`` new tokens (a decode
-  row, a verify chunk, a prompt's short last chunk) beside a longer one is attended as
+- **Mixed steps**: a sequence with at most ``absorbed_max_query(device)`` new tokens (a
+  decode row, a verify chunk, a prompt's short chunk) beside a longer one is attended as
   decode is, each token a row of its own over its context up to itself
   (``AttentionMetadata.token_rows``); only the longer ones decompress. Decompressing costs
   ``H * (nope + v) * R * 2`` FLOPs per context token; the absorbed path costs
   ``H * 2 * (2R - nope - v)`` more than the decompressed one per query and context token,
   so it is cheaper below ``(nope + v) * R / (2R - nope - v)`` queries (DeepSeek-V3: 170).
-  The cap stays well under that because each row reads its whole context again.
+  Measured (``bench/mla_paths.py``, 128 heads, 1k-16k contexts), absorbed is faster at
+  every point up to 64 queries on the CPU (1.6x there) and up to 256 on the H200 (1.4-1.8x
+  there: the decompressed path pays for decompressing the whole context however few the
+  queries), so those are the caps.
 """
 
 from __future__ import annotations
@@ -42,7 +45,14 @@ from engine.attention.torch_sdpa import each_sequence, padded_contexts, store_ro
 # a square 4k at 2.8 ms per layer against cuDNN's 1.3, and a 1k chunk over a 3k context
 # at 0.93 against 1.9 (H200, 128 heads; bench/results/sdpa_backends_h200.json)
 FUSED_PREFILL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-ABSORBED_MAX_QUERY = 16  # a mixed step's sequences with this many new tokens or fewer
+# a mixed step's sequences with this many new tokens or fewer attend absorbed, by device
+# type (bench/results/mla_paths_cpu.json, mla_paths_h200.json)
+ABSORBED_MAX_QUERY = {"cpu": 64, "cuda": 256}
+
+
+def absorbed_max_query(device: torch.device) -> int:
+    """How many new tokens a sequence of a mixed step may have to attend absorbed."""
+    return ABSORBED_MAX_QUERY.get(device.type, ABSORBED_MAX_QUERY["cpu"])
 
 
 class TorchMLABackend(MLABackend):
@@ -58,7 +68,7 @@ class TorchMLABackend(MLABackend):
         store_rows(cache, meta.slot_mapping, latent)
         if meta.is_pure_decode:
             return self.decode(cache, q, kv_b, meta)
-        short = meta.token_rows(ABSORBED_MAX_QUERY)
+        short = meta.token_rows(absorbed_max_query(q.device))
         out = q.new_empty(q.shape[0], self.num_heads, self.mla.v_head_dim)
         if short.meta is not None:
             out[short.rows] = self.decode(cache, q[short.rows], kv_b, short.meta)

@@ -123,7 +123,7 @@ def test_mla_prefill_through_the_fused_backends_matches_the_math_kernel(monkeypa
 def test_a_mixed_steps_short_sequences_through_the_kernel_match_the_math_kernel(monkeypatch):
     """A mixed step: a prompt's long chunk beside a decode row and a verify chunk of five
     tokens. The short ones go through the MLA decode kernel, each token a row of its own
-    (``torch_mla.ABSORBED_MAX_QUERY``); all of it against SDPA's math kernel over
+    (``torch_mla.absorbed_max_query``: 256 on CUDA); all of it against SDPA's math kernel over
     decompressed keys and values."""
     runner = make_runner("tilelang")
     backend, mla, heads = runner.backend, KERNEL_WIDE.mla, KERNEL_WIDE.num_heads
@@ -143,7 +143,7 @@ def test_a_mixed_steps_short_sequences_through_the_kernel_match_the_math_kernel(
     q = torch.randn(306, heads, mla.qk_head_dim, generator=g, device="cuda").to(torch.bfloat16)
     latent = torch.randn(306, mla.latent_dim, generator=g, device="cuda").to(torch.bfloat16)
     mixed = backend.forward(0, q, latent, kv_b.to(torch.bfloat16), meta).float()
-    assert meta.token_rows(torch_mla.ABSORBED_MAX_QUERY).others == (1,)
+    assert meta.token_rows(torch_mla.absorbed_max_query(q.device)).others == (1,)
     monkeypatch.setattr(torch_mla, "FUSED_PREFILL", [SDPBackend.MATH])
     math = backend.prefill(cache, q, kv_b.to(torch.bfloat16), meta).float()
     assert ((mixed - math).norm() / math.norm()).item() < 1e-2

@@ -12,7 +12,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds
 
 from engine.attention import build_backend
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_mla import ABSORBED_MAX_QUERY, TorchMLABackend
+from engine.attention.torch_mla import TorchMLABackend, absorbed_max_query
 from engine.config import MLAConfig, ModelConfig, RopeScaling
 from engine.models.rotary import (
     RotaryEmbedding,
@@ -79,24 +79,27 @@ def test_absorbed_decode_equals_attention_over_decompressed_keys_and_values(seq_
     torch.testing.assert_close(absorbed, decompressed, rtol=1e-5, atol=1e-5)
 
 
+CPU_CAP = absorbed_max_query(torch.device("cpu"))  # 64
+
+
 @pytest.mark.parametrize(
     "query_lens, seq_lens",
-    [([1, 3, 20, 1], [9, 40, 20, 33]), ([17, 16, 2], [17, 50, 7]), ([5, 40], [5, 61])],
+    [([1, 3, 70, 1], [9, 90, 70, 33]), ([65, 64, 2], [65, 98, 7]), ([5, 80], [5, 101])],
 )
 def test_a_mixed_steps_short_sequences_attend_absorbed_as_the_decompressed_path_does(
     query_lens, seq_lens
 ):
     """Decode rows, verify chunks and short chunks beside a prompt's long chunk take the
-    absorbed path, each token a row of its own (``ABSORBED_MAX_QUERY``); the result is
+    absorbed path, each token a row of its own (``absorbed_max_query``); the result is
     attention over decompressed keys and values, causal within each chunk."""
     cache, meta, q, latent, kv_b = _step(query_lens, seq_lens, num_blocks=128, seed=1)
     backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
-    short = meta.token_rows(ABSORBED_MAX_QUERY)
-    assert short.others == tuple(i for i, n in enumerate(query_lens) if n > 16)
+    short = meta.token_rows(CPU_CAP)
+    assert short.others == tuple(i for i, n in enumerate(query_lens) if n > CPU_CAP)
     assert short.meta.seq_lens_cpu == [s - n + 1 + j for n, s in zip(query_lens, seq_lens)
-                                       if n <= 16 for j in range(n)]  # fmt: skip
+                                       if n <= CPU_CAP for j in range(n)]  # fmt: skip
     mixed = backend.forward(0, q, latent, kv_b, meta)
-    assert meta.token_rows(ABSORBED_MAX_QUERY) is short  # built once a step
+    assert meta.token_rows(CPU_CAP) is short  # built once a step
     decompressed = backend.prefill(cache.layers[0], q, kv_b, meta)
     torch.testing.assert_close(mixed, decompressed, rtol=1e-5, atol=1e-5)
 
