@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import cProfile
 import json
 import os
+import pstats
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from bench.common import machine_info
@@ -92,26 +96,40 @@ def child(args: argparse.Namespace) -> dict:
     }
 
 
-def profiler(enabled: bool):
-    """torch's profiler (CPU and CUDA) around the block, or nothing."""
-    import contextlib
-
+@contextlib.contextmanager
+def profiler(enabled: bool) -> Iterator[tuple | None]:
+    """torch's profiler (CPU and CUDA) and Python's around the block, or nothing."""
     if not enabled:
-        return contextlib.nullcontext()
+        yield None
+        return
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    python = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        python.enable()
+        try:
+            yield prof, python
+        finally:
+            python.disable()
 
 
-def top_ops(prof, n: int = 15) -> dict[str, list]:
-    """The ops that took the most host time (self) and the most device time."""
+def top_ops(profiled: tuple, n: int = 15) -> dict[str, list]:
+    """The ops that took the most host time (self) and the most device time, and the
+    Python functions with the most time under them (what an op count cannot show: an
+    import, a lazy load)."""
+    prof, python = profiled
     events = prof.key_averages()
 
     def rows(attr: str) -> list:
         ranked = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:n]
         return [[e.key[:80], e.count, round(getattr(e, attr) / 1e3, 2)] for e in ranked]
 
-    return {"self_cpu_ms": rows("self_cpu_time_total"), "device_ms": rows("self_device_time_total")}
+    stats = pstats.Stats(python).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][3], reverse=True)[: 2 * n]
+    functions = [[f"{Path(f).name}:{line}:{name}"[:80], nc, round(ct * 1e3, 2)]
+                 for (f, line, name), (_, nc, _, ct, _) in ranked]  # fmt: skip
+    return {"self_cpu_ms": rows("self_cpu_time_total"), "device_ms": rows("self_device_time_total"),
+            "python_cumulative_ms": functions}  # fmt: skip
 
 
 def summary(run: dict) -> str:
