@@ -3,14 +3,15 @@
 #
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
 #                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
-#                       [startup] [sdpa] [mla_paths]
+#                       [startup] [sdpa] [mla_paths] [mla_engine_tests]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
 # runs what is asked: the CUDA tests of the engine, the full benchmark with transformers
 # (JSON to $OUT/gpu_engine.json), ferry serve --device cuda end to end, or a quick
 # benchmark of two decode points; for DeepSeek-V3-class models: the MLA and MoE kernels'
-# CUDA tests with the engine's MoE/MLA CUDA tests (mla_tests: the MLA kernel's alone), their
+# CUDA tests with the engine's MoE/MLA CUDA tests (mla_tests: the MLA kernel's alone;
+# mla_engine_tests: the engine's MLA/MoE CUDA tests alone), their
 # benchmark (bench/mla_moe_speed.py; MLA_MOE_SECTIONS picks sections), a MoE prefill stage
 # by stage (bench/moe_prefill_parts.py), the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
 # two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
@@ -24,7 +25,7 @@
 # decoding's arms (bench/spec_decode_gpu.py); a full garbage collection of the 8B engine before
 # and after freezing its startup (bench/gc_pause.py); the start-up of dummy:deepseek-v3-4l
 # with an empty kernel cache and again with the one it left, and its first requests
-# (bench/startup.py); SDPA's backends on the MLA prefill's shapes (bench/sdpa_backends.py);
+# (bench/startup.py; STARTUP_FLAGS adds flags, e.g. --profile-first); SDPA's backends on the MLA prefill's shapes (bench/sdpa_backends.py);
 # a chunk's MLA attention decompressed against absorbed by chunk length (bench/mla_paths.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -61,6 +62,9 @@ for step in "$@"; do
         tests/kernels/test_mla_moe_references.py tests/engine/test_cuda_mla_moe_kernels.py \
         "tests/engine/test_cuda_graphs.py::test_cuda_graph_decode_of_moe_models_matches_eager" \
         tests/kvstore/test_transport_cuda_ipc.py 2>&1 | tee -a "$OUT/steps.log" | tail -25 || status=1 ;;
+    mla_engine_tests)
+      $LIMIT python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_mla_moe_kernels.py \
+        2>&1 | tee -a "$OUT/steps.log" | tail -15 || status=1 ;;
     mla_tests)
       $LIMIT python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels/test_mla_moe_cuda.py \
         -k mla 2>&1 | tee -a "$OUT/steps.log" | tail -15 || status=1 ;;
@@ -101,7 +105,7 @@ for step in "$@"; do
       $LIMIT python3 -m bench.spec_decode_gpu --out "$OUT/spec_decode_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -12 || status=1 ;;
     startup)
-      $LIMIT python3 -m bench.startup --model dummy:deepseek-v3-4l --commit "$COMMIT" \
+      $LIMIT python3 -m bench.startup --model dummy:deepseek-v3-4l --commit "$COMMIT" ${STARTUP_FLAGS:-} \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
         --out "$OUT/startup_h200.json" 2>&1 | tee -a "$OUT/steps.log" | grep -v Warn | tail -3 || status=1 ;;
     mla_paths)
