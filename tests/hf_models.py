@@ -12,7 +12,8 @@ includes ``num_nextn_predict_layers: 1`` with no MTP weights).
 
 Weights are transformers' random init at ``initializer_range`` 0.1 (logits far enough
 apart that greedy decoding does not hinge on rounding), norms in [0.5, 1.5] so their
-weights matter.
+weights matter. ``deepseek-v3-mtp-successor`` is the one kind with weights rewritten
+after that: a successor machine (``make_successor``) whose MTP drafts are mostly kept.
 """
 
 from __future__ import annotations
@@ -80,8 +81,41 @@ CONFIGS = {
     "qwen3-moe": _qwen3_moe,
 }
 # kinds the MoE tests do not sweep: a dense Llama (speculative decoding's target and draft
-# model), and DeepSeek-V3 with the multi-token prediction layer transformers leaves out
-OTHER_CONFIGS = {"llama": _llama, "deepseek-v3-mtp": _deepseek_v3}
+# model), and DeepSeek-V3 with the multi-token prediction layer transformers leaves out,
+# random or a successor machine (``make_successor``)
+OTHER_CONFIGS = {"llama": _llama, "deepseek-v3-mtp": _deepseek_v3,
+                 "deepseek-v3-mtp-successor": _deepseek_v3}  # fmt: skip
+SUCCESSOR = "deepseek-v3-mtp-successor"
+
+# the successor machine (``make_successor``): the scale of every projection that writes
+# into the residual stream; the output head's scale; the MTP layer's ``eh_proj`` on the
+# previous hidden state, the norm of what it adds as a fraction of the token's part
+QUIET, HEAD_SCALE, MTP_HIDDEN_MIX = 0.05, 0.15, 1.5
+
+
+def quiet_residual_writers(weights) -> None:
+    """Scale, in place, by ``QUIET`` every projection of ``weights`` (name, tensor pairs)
+    that adds to the residual stream: attention's ``o_proj``, the MLPs', experts' and
+    shared experts' ``down_proj`` (transformers' fused experts or a checkpoint's own)."""
+    for name, tensor in weights:
+        if name.removesuffix(".weight").endswith(("o_proj", "down_proj")):
+            tensor.mul_(QUIET)
+
+
+def make_successor(model: torch.nn.Module) -> None:
+    """Rewrite a DeepSeek-V3 reference into a successor machine: the token after ``x`` is
+    ``x + 1`` (mod the vocabulary). Embeddings are redrawn at std 1, every layer's writes
+    into the residual stream are scaled down (``quiet_residual_writers``: they still
+    matter, a little), so the final hidden state is about the current token's embedding;
+    head row ``v`` is ``HEAD_SCALE`` times the embedding of ``v - 1``. At width 64 a
+    token's embedding is far closer to itself than to any other's: the successor's logit
+    is about 10, the others' about 0 give or take 1.2, so greedy decoding continues x + 1,
+    x + 2, ... from any prompt."""
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed.normal_()
+        model.lm_head.weight.copy_(HEAD_SCALE * embed.roll(1, 0))
+        quiet_residual_writers(model.named_parameters())
 
 
 def tiny_reference(kind: str, seed: int = 0) -> torch.nn.Module:
@@ -98,24 +132,35 @@ def tiny_reference(kind: str, seed: int = 0) -> torch.nn.Module:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # sigmoid scores sit near 0.5
                 buffer.uniform_(-0.2, 0.2)
+    if kind == SUCCESSOR:
+        make_successor(model)
     return model
 
 
 def write_tiny_model(kind: str, folder: Path, seed: int = 0) -> Path:
     """Save the ``kind`` reference into ``folder`` with ``save_pretrained`` (for
-    ``deepseek-v3-mtp``, then add an MTP layer: ``add_mtp_layer``)."""
+    ``deepseek-v3-mtp`` and its successor machine, then add an MTP layer:
+    ``add_mtp_layer``)."""
     tiny_reference(kind, seed).save_pretrained(folder)
-    if kind == "deepseek-v3-mtp":
-        add_mtp_layer(folder, seed)
+    if kind.startswith("deepseek-v3-mtp"):
+        add_mtp_layer(folder, seed, successor=kind == SUCCESSOR)
     return folder
 
 
-def add_mtp_layer(folder: Path, seed: int = 0) -> None:
+def add_mtp_layer(folder: Path, seed: int = 0, successor: bool = False) -> None:
     """Write DeepSeek-V3's multi-token prediction layer (checkpoint layer
     ``num_hidden_layers``) into ``folder`` as ``mtp.safetensors``: a decoder layer copied
     from the last one with noise added to its matrices (so that loading the wrong layer
     shows), random ``eh_proj``, norms in [0.5, 1.5]. Its drafts are poor; what runs is the
-    real layer."""
+    real layer.
+
+    ``successor`` (the folder holds ``make_successor``'s model): the layer's writes into
+    the residual stream are quiet too and ``eh_proj`` is ``[I, B]``, ``B`` random (what it
+    adds is ``MTP_HIDDEN_MIX`` times the token's part in norm): its output is about the
+    next token's embedding plus noise that the previous hidden state sets, so it predicts
+    the token after that, as the model does, mostly (about one draft in seven is
+    rejected), with confidences well short of 1 that move with the hidden state (a wrong
+    one shows)."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -130,6 +175,10 @@ def add_mtp_layer(folder: Path, seed: int = 0) -> None:
     for name in ("enorm", "hnorm", "shared_head.norm"):
         out[f"{mtp}{name}.weight"] = torch.rand(hidden, generator=g) + 0.5
     out[f"{mtp}eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+    if successor:
+        quiet_residual_writers(out.items())
+        mix = torch.randn(hidden, hidden, generator=g) * MTP_HIDDEN_MIX / hidden**0.5
+        out[f"{mtp}eh_proj.weight"] = torch.cat((torch.eye(hidden), mix), 1)
     save_file(out, str(folder / "mtp.safetensors"))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import SUCCESSOR
 
 import decode.worker as decode_worker
 from decode.messages import DecodeRequest, KVReady, KVWanted
@@ -68,11 +69,16 @@ def roles(cfg: EngineConfig):
     return p, d
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft", "mtp"])
+@pytest.mark.parametrize("name", ["ngram", "draft", "mtp", "mtp-kept"])
 def test_greedy_through_1p_1d_with_drafts_equals_aggregated_without(name, tiny_moe_dir):
-    model = str(tiny_moe_dir("deepseek-v3-mtp" if name == "mtp" else "llama"))
+    """``mtp-kept``: a successor machine's MTP layer (``hf_models.make_successor``), whose
+    drafts the decode worker mostly keeps, from the prompt's MTP KV the prefill worker
+    wrote on (fixed schedule: every draft is verified)."""
+    kind = {"mtp": "deepseek-v3-mtp", "mtp-kept": SUCCESSOR}.get(name, "llama")
+    model = str(tiny_moe_dir(kind))
     fields = {"ngram": dict(method="ngram"), "draft": dict(method="draft", draft_model=model),
-              "mtp": dict(method="mtp")}[name]  # fmt: skip
+              "mtp": dict(method="mtp"),
+              "mtp-kept": dict(method="mtp", schedule="fixed")}[name]  # fmt: skip
     plain = EngineCore(config(model))
     expected = [run_local(plain, p, f"ref{i}") for i, p in enumerate(PROMPTS)]
     prefill, decode = roles(config(model, **fields))
@@ -81,6 +87,8 @@ def test_greedy_through_1p_1d_with_drafts_equals_aggregated_without(name, tiny_m
         assert got == expected
         stats = decode.core.scheduler.stats()
         assert sum(stats.spec_draft_verified) > 0  # the decode worker drafted
+        if name == "mtp-kept":
+            assert sum(stats.spec_draft_accepted) > 0.75 * sum(stats.spec_draft_verified)
         assert sum(prefill.core.scheduler.stats().spec_draft_verified) == 0
         for worker in (prefill, decode):
             worker.core.check_integrity()

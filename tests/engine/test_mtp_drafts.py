@@ -1,6 +1,10 @@
 """The MTP drafter's drafts and confidences against DeepSeek-V3's multi-token prediction
 computed independently, with transformers' own decoder layer: the first draft after a
-prompt and the chained ones after it.
+prompt and the chained ones after it. Two checkpoints: a random MTP layer, whose drafts
+are all rejected (each pass overwrites the KV its chain wrote), and a successor machine's
+(``hf_models.make_successor``), whose drafts are mostly kept: their KV stays, and the
+next proposal starts past them from the target's hidden states of the kept drafts'
+rows, with and without overlap scheduling.
 
 The reference follows DeepSeek-V3's definition: at position i the layer takes
 ``eh_proj([enorm(embed(t[i+1])); hnorm(h[i])])``, where ``h`` is the main model's final
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import load_reference
+from hf_models import SUCCESSOR, load_reference
 from safetensors.torch import load_file
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -26,6 +30,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 K = 3
 PROMPTS = [[100 + (i * 37) % 150 for i in range(21)], [65, 66, 67, 68, 69, 70, 71]]
+# the successor machine's drafts after these are all kept but for a few after [0, 1, 2, 3]
+SUCCESSOR_PROMPTS = [*PROMPTS, [0, 1, 2, 3]]
 
 
 class ReferenceMTP:
@@ -100,14 +106,20 @@ def folder(tiny_moe_dir):
     return tiny_moe_dir("deepseek-v3-mtp")
 
 
-def proposals(folder, prompts: list[list[int]], max_tokens: int) -> list[tuple[list, list]]:
+@pytest.fixture(scope="module")
+def successor(tiny_moe_dir):
+    return tiny_moe_dir(SUCCESSOR)
+
+
+def proposals(
+    folder, prompts: list[list[int]], max_tokens: int, overlap: bool = False
+) -> list[tuple[list, list]]:
     """Per prompt (one at a time, K drafts, fixed schedule): prompt + output, and every
     proposal the engine's MTP drafter made for it, the first right after the prefill, the
-    next ones after each verify step (whose drafts the test layer never gets kept: each
-    pass then overwrites the KV its chain wrote at the lookahead positions)."""
+    next ones after each verify step."""
     llm = LLM(EngineConfig(
         model=str(folder), num_threads=1, cache=CacheConfig(block_size=4, num_blocks=200),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=64), overlap_scheduling=overlap,
         speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=K,
                                       schedule="fixed"),
     ))  # fmt: skip
@@ -130,13 +142,49 @@ def proposals(folder, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
     return out
 
 
+def kept(proposal, tokens: list[int]) -> int:
+    """How many of ``proposal``'s leading drafts the output holds."""
+    n = 0
+    for j, token in enumerate(proposal.token_ids):
+        if proposal.start + j >= len(tokens) or tokens[proposal.start + j] != token:
+            break
+        n += 1
+    return n
+
+
+def assert_as_defined(reference: ReferenceMTP, tokens: list[int], made: list) -> None:
+    """Every proposal is the reference's after the sequence up to its first draft's
+    token."""
+    for proposal in made:
+        drafts, confidences = reference.drafts(tokens[: proposal.start - 1], K)
+        n = len(proposal.token_ids)
+        assert proposal.token_ids == drafts[:n]
+        assert proposal.confidence == pytest.approx(confidences[:n], rel=1e-4, abs=1e-6)
+
+
 def test_mtp_drafts_and_confidences_match_deepseeks_definition(folder):
     reference = ReferenceMTP(folder)
     for tokens, made in proposals(folder, PROMPTS, max_tokens=2 * K + 2):
         assert [p.start for p in made[:2]] == [len(tokens) - 2 * K - 1, len(tokens) - 2 * K]
         assert len(made) >= 3
-        for proposal in made:  # each after the sequence up to its first draft's token
-            drafts, confidences = reference.drafts(tokens[: proposal.start - 1], K)
-            n = len(proposal.token_ids)
-            assert proposal.token_ids == drafts[:n]
-            assert proposal.confidence == pytest.approx(confidences[:n], rel=1e-4, abs=1e-6)
+        assert not any(kept(p, tokens) for p in made)  # each verify step yields one token
+        assert_as_defined(reference, tokens, made)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_mtp_drafts_after_kept_drafts_match_deepseeks_definition(successor, overlap):
+    """With most drafts kept, each next proposal starts right past the kept ones (every
+    proposal is verified whole: fixed schedule, one request) and is still the reference's:
+    the layer's KV of the kept drafts and the hidden states it starts from are the
+    target's. Under overlap a proposal one step old is verified after the unresolved
+    token, so it is checked against the reference only."""
+    reference = ReferenceMTP(successor)
+    runs = proposals(successor, SUCCESSOR_PROMPTS, max_tokens=4 * K + 4, overlap=overlap)
+    for tokens, made in runs:
+        assert made[0].start == len(tokens) - 4 * K - 3  # right after the prefill's token
+        counts = [kept(p, tokens) for p in made]
+        assert sum(counts) > 0.5 * sum(len(p.token_ids) for p in made)
+        if not overlap:
+            for before, after, n in zip(made, made[1:], counts):
+                assert after.start == before.start + n + 1
+        assert_as_defined(reference, tokens, made)
