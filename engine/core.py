@@ -115,6 +115,10 @@ class EngineCore:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = tuple(loaded.tokenizer.eos_token_ids) if loaded.tokenizer else ()
+        so = config.structured  # its compiler builds beside the rest of the start-up
+        self.grammars = GrammarGate(GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size,
+                                                    so.grammar_cache_mb << 20,
+                                                    so.compile_threads))  # fmt: skip
         speculative = config.speculative if scheduler_cls.drafts else SpeculativeConfig()
         drafter = build_drafter(config.speculative, loaded, config.device, dtype)
         if drafter is not None and not scheduler_cls.drafts and not drafter.kv_layers():
@@ -150,12 +154,7 @@ class EngineCore:
         self._warm_up(config, experts, spec)
         self.startup["compile"] = compile_seconds() - compiled
         self.hash_extra = extra_keys(self.fingerprint)  # what this model's block hashes mix in
-        so = config.structured
-        self.grammars = GrammarGate(
-            GrammarCompiler(
-                loaded.tokenizer, mc.vocab_size, so.grammar_cache_mb << 20, so.compile_threads
-            )
-        )
+        self.grammars.compiler.wait_built()
 
     def _warm_up(
         self, config: EngineConfig, experts: ExpertParallel | None, spec: SpecDecoding

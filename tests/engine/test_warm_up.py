@@ -1,5 +1,6 @@
 """The forwards an engine runs before it serves (``ModelRunner.warm_up``): they
-touch no real block, change no later output, and the engine's start-up reports them."""
+touch no real block, change no later output, and the engine's start-up reports them; the
+start-up also waits for its grammar compiler, so no import runs beside the first requests."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_an_engine_warms_up_before_it_serves_and_keeps_every_block_free():
     assert core.startup["warm_up"] >= 0
     assert core.kv.pool.num_free == 31  # all but the null block
     core.kv.pool.check_integrity()
+    assert core.grammars.compiler._compiler.done()  # xgrammar is not imported beside requests
 
 
 def test_a_gpu_warms_up_every_few_row_product_and_a_whole_step_and_the_cpu_a_short_prompt():
