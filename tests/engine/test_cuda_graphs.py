@@ -178,3 +178,31 @@ def test_cuda_graph_decode_of_moe_models_matches_eager(preset):
     graphs = graphed.capture_decode_graphs(max_batch=16, max_seq_len=1024)
     assert graphs.captured
     assert lockstep_logits_error(eager, graphed, [5, 130, 33], steps=8) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("preset", ["smollm2-135m", "deepseek-v3-tiny"])
+def test_an_engines_start_up_captures_graphs_that_generate_as_an_eager_engine(preset):
+    """The start-up's path: one dry run shared by the warm-up and the graphs, the warm-up,
+    then the capture (``EngineCore._warm_up``); greedy generations of a batch equal those
+    of an engine with no graphs."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine.llm import LLM
+
+    def engine(eager: bool) -> LLM:
+        return LLM(EngineConfig(
+            model=f"dummy:{preset}", device="cuda", dtype="bfloat16", enforce_eager=eager,
+            cache=CacheConfig(block_size=128, memory_gb=0.5),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+                                      max_model_len=1024)))  # fmt: skip
+
+    batch = prompts(256, [30, 200, 7])
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    graphed = engine(eager=False)
+    assert graphed.core.runner.graphs.captured
+    ours = [r.token_ids for r in graphed.generate(batch, greedy)]
+    graphed.core.check_integrity()
+    del graphed
+    eager = engine(eager=True)
+    assert eager.core.runner.graphs is None
+    assert ours == [r.token_ids for r in eager.generate(batch, greedy)]
