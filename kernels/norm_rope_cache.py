@@ -105,11 +105,19 @@ def norm_build(cfg: NormConfig) -> TileLangBuild:
     return TileLangBuild(_norm_program, (cfg.hidden, cfg.dtype, cfg.eps, cfg.residual))
 
 
+def norm_supported(hidden: int) -> bool:
+    """True when the RMSNorm kernels take rows of ``hidden`` values: a multiple of 32, so
+    that every thread of the row's block holds as many (TileLang finds no layout for 48)."""
+    return hidden > 0 and hidden % 32 == 0
+
+
 def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
     check_tensor("x", x, dtype=ATTENTION_DTYPES, ndim=2)
     check_tensor("weight", weight, dtype=x.dtype, ndim=1, device=x.device)
     if weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if not norm_supported(x.shape[1]):
+        raise ValueError(f"RMSNorm kernel rows must be a multiple of 32 wide, not {x.shape[1]}")
 
 
 def fused_add_rms_norm(

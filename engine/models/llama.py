@@ -95,11 +95,12 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.dim() == 2 and fused_kernels_for(x) and x.is_contiguous():
-            from kernels.norm_rope_cache import fused_add_rms_norm, rms_norm
+            from kernels.norm_rope_cache import fused_add_rms_norm, norm_supported, rms_norm
 
-            if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            if norm_supported(x.shape[1]):  # else torch's, below
+                if residual is None:
+                    return rms_norm(x, self.weight, self.eps)
+                return fused_add_rms_norm(x, residual, self.weight, self.eps)
         cpu = cpu_kernels_for(x)
         if cpu is not None and x.is_contiguous() and self.weight.dtype == torch.float32:
             if residual is None:

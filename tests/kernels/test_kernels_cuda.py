@@ -109,7 +109,7 @@ def test_prefill_attention_long_prompt():
     assert rel_error(out, prefill_attention_ref(*args, num_kv_heads=8, scale=p.scale)) <= TOL
 
 
-@pytest.mark.parametrize("hidden", [576, 4096])
+@pytest.mark.parametrize("hidden", [96, 576, 4096])  # 96: three values a thread
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 def test_fused_add_rms_norm(hidden, num_tokens):
     from kernels.norm_rope_cache import fused_add_rms_norm, rms_norm, rms_norm_ref
@@ -124,6 +124,15 @@ def test_fused_add_rms_norm(hidden, num_tokens):
     assert rel_error(plain, plain_ref) <= TOL
     assert rel_error(r_out, ref_sum) <= TOL
     assert rel_error(x_out, ref_out) <= TOL
+
+
+def test_rms_norm_refuses_a_width_its_kernel_has_no_layout_for():
+    from kernels.norm_rope_cache import norm_supported, rms_norm
+
+    assert not norm_supported(48) and norm_supported(96)
+    x = torch.randn(3, 48, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rms_norm(x, torch.ones(48, device="cuda", dtype=torch.bfloat16), 1e-5)
 
 
 @pytest.mark.parametrize("inter", [14336, 1536, 100])  # 100: a partial last CTA
