@@ -442,8 +442,8 @@ class SpeculativeConfig:
     requests get them (``engine.spec.policy``); "fixed" verifies up to K for every
     request. ``confidence_temperatures``: per draft position, the temperature that
     calibrates a model drafter's (MTP's, a draft model's) probability of its token into an
-    acceptance estimate; one value for every position or exactly K values (any other
-    length is refused here, at start). ``ngram_min`` / ``ngram_max``: the suffix lengths
+    acceptance estimate; exactly K values, one per position (any other length is refused
+    here, at start); none given: 1 at every position, the probabilities as they are. ``ngram_min`` / ``ngram_max``: the suffix lengths
     prompt lookup matches.
     """
 
@@ -451,7 +451,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     schedule: str = "dynamic"
     draft_model: str = ""
-    confidence_temperatures: tuple[float, ...] = (1.0,)
+    confidence_temperatures: tuple[float, ...] = ()
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -469,9 +469,9 @@ class SpeculativeConfig:
         if self.method == "draft" and not self.draft_model:
             raise ValueError("draft speculation needs a draft model path (draft:PATH)")
         temps = self.confidence_temperatures
-        if len(temps) not in (1, k):
+        if temps and len(temps) != k:
             raise ValueError(f"{len(temps)} confidence temperatures for {k} draft "
-                             f"positions: give one, or exactly {k}")  # fmt: skip
+                             f"positions: give exactly {k}, one per position")  # fmt: skip
         if any(t <= 0 for t in temps):
             raise ValueError(f"confidence temperatures must be > 0, got {temps}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -489,7 +489,7 @@ class SpeculativeConfig:
     def temperature(self, position: int) -> float:
         """The calibration temperature of draft position ``position`` (0-based)."""
         temps = self.confidence_temperatures
-        return temps[0] if len(temps) == 1 else temps[position]
+        return temps[position] if temps else 1.0
 
     @classmethod
     def parse(cls, spec: str, **fields: Any) -> SpeculativeConfig:

@@ -297,10 +297,10 @@ def add_engine_flags(p: Any) -> None:
                       help="dynamic: each step, the verify budget that maximises expected "
                            "accepted tokens per second, to the requests with the most to "
                            "gain; fixed: up to K drafts for every request")
-    spec.add_argument("--spec-confidence-temperatures", type=_floats, default=(1.0,),
-                      metavar="T[,T...]",
+    spec.add_argument("--spec-confidence-temperatures", type=_floats, default=(),
+                      metavar="T,T,...",
                       help="per draft position, the temperature calibrating a model "
-                           "drafter's confidence: one value, or exactly K")
+                           "drafter's confidence: exactly K values (default: 1 each)")
     add_log_flags(section(p, "log", "what this process and its workers log"))
     tiers = section(p, "tiers", "KV tiers below each worker's KV cache")
     tiers.add_argument("--kv-tiers", type=_tier_list,

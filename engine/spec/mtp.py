@@ -17,8 +17,8 @@ hidden state and the draft before (``engine.spec.chain``), writing KV at lookahe
 that the next step's pass overwrites with the real thing.
 
 Confidence: the head's probability of its token at the position's calibration
-temperature (``SpeculativeConfig.confidence_temperatures``, checked at start to be one
-value or exactly K). Known limit: the KV of a block's last position depends on the token
+temperature (``SpeculativeConfig.confidence_temperatures``, checked at start to be
+exactly K values). Known limit: the KV of a block's last position depends on the token
 after the block, so a request that shares a prefix only up to a block boundary attends
 there over another continuation's latent (its drafts may be worse; outputs are exact).
 """

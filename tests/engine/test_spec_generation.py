@@ -218,7 +218,7 @@ def test_mtp_drafts_mostly_kept_leave_greedy_outputs_unchanged(
     token). The layer is right far more often than its probabilities say: a calibration
     temperature below 1 lets the dynamic policy find drafts worth it."""
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens=3, schedule=schedule,
-                             confidence_temperatures=(0.3,))  # fmt: skip
+                             confidence_temperatures=(0.3,) * 3)  # fmt: skip
     llm = engine(deepseek_successor, spec, overlap_scheduling=overlap)
     assert_reference_alone_and_batched(llm, deepseek_successor)
     stats = llm.core.scheduler.stats()

@@ -1,6 +1,7 @@
 """Speculative decoding that cannot work is refused when the engine is built, with a
 message that names the model and says what it lacks: ``mtp`` on a checkpoint without
-multi-token prediction weights, a draft model whose vocabulary is not the target's."""
+multi-token prediction weights, a draft model whose vocabulary is not the target's, a
+confidence-temperature list that is not one value per draft position."""
 
 from __future__ import annotations
 
@@ -44,3 +45,15 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_moe_dir, tmp_path
     message = str(refused.value)
     assert str(draft) in message and "300 tokens" in message and "the target 260" in message
     assert "needs the target's tokenizer" in message
+
+
+@pytest.mark.parametrize("temps", [(0.5,), (1.0, 0.9), (1.0, 0.9, 0.8, 0.7)])
+def test_confidence_temperatures_must_be_one_per_draft_position(temps):
+    with pytest.raises(ValueError, match=f"{len(temps)} confidence temperatures for 3 draft "
+                                         "positions: give exactly 3"):  # fmt: skip
+        SpeculativeConfig(method="mtp", num_speculative_tokens=3, confidence_temperatures=temps)
+    given = SpeculativeConfig(method="mtp", num_speculative_tokens=3,
+                              confidence_temperatures=(1.0, 0.9, 0.8))  # fmt: skip
+    assert [given.temperature(i) for i in range(3)] == [1.0, 0.9, 0.8]
+    default = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
+    assert [default.temperature(i) for i in range(3)] == [1.0, 1.0, 1.0]  # uncalibrated
