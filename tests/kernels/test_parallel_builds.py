@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import _tl, parallel_builds
+from kernels import parallel_builds
 from kernels._tl import KernelCache
 
 BUILD_S = 0.3  # a compile; a load from the (fake) disk cache takes no time
