@@ -443,8 +443,8 @@ class SpeculativeConfig:
     request. ``confidence_temperatures``: per draft position, the temperature that
     calibrates a model drafter's (MTP's, a draft model's) probability of its token into an
     acceptance estimate; exactly K values, one per position (any other length is refused
-    here, at start); none given: 1 at every position, the probabilities as they are. ``ngram_min`` / ``ngram_max``: the suffix lengths
-    prompt lookup matches.
+    here, at start); none given: 1 at every position, the probabilities as they are.
+    ``ngram_min`` / ``ngram_max``: the suffix lengths prompt lookup matches.
     """
 
     method: str = "none"
