@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from encode.inputs import (
@@ -611,10 +612,27 @@ def _bind(config: ServerConfig) -> tuple[socket.socket, socket.socket]:
 def _servers(public: Any, control: Any, config: ServerConfig) -> tuple[Any, Any]:
     """The public server, which takes SIGINT and SIGTERM as the signal to drain and does
     not raise them again once it has (the process then exits 0), and the control-plane
-    listener beside it, which stops when the public one does."""
+    listener beside it, which stops when the public one does. A second signal while it
+    drains (Ctrl-C again) ends the requests in flight now, but the shutdown stays in order
+    (engines stopped, no traceback); only a third forces uvicorn out."""
     import uvicorn
 
     class PublicServer(uvicorn.Server):
+        signals = 0
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.signals += 1
+            if self.signals == 2:
+                logs.announce("stopping now: requests in flight end with an error "
+                              "(Ctrl-C again forces the exit)")  # fmt: skip
+                return
+            super().handle_exit(sig, frame)
+
+        @property
+        def hurried(self) -> bool:
+            """A second signal came: stop waiting for requests in flight."""
+            return self.signals >= 2
+
         @contextlib.contextmanager
         def capture_signals(self):
             handlers = {sig: signal.signal(sig, self.handle_exit)
@@ -674,7 +692,7 @@ async def serve(
         while not server.should_exit:
             await asyncio.sleep(0.1)
             pauses.report()
-        await _drain(app, client, config)
+        await _drain(app, client, config, lambda: server.hurried)
 
     watcher = asyncio.create_task(lifecycle())
     try:
@@ -723,16 +741,18 @@ def _quieter(level: str) -> str:
     return level if level in ("debug", "trace", "warning", "error", "critical") else "warning"
 
 
-async def _drain(app: Any, client: Any, config: ServerConfig) -> None:
+async def _drain(app: Any, client: Any, config: ServerConfig,
+                 hurried: Callable[[], bool]) -> None:  # fmt: skip
     """Shutting down (SIGTERM, Ctrl-C): readiness goes to 503, the listener stops taking
-    connections (uvicorn), requests in flight get ``drain_timeout_s`` to finish, and then
-    whatever still runs ends with a clean error, before the engines are stopped."""
+    connections (uvicorn), requests in flight get ``drain_timeout_s`` to finish (unless
+    ``hurried()`` turns true: a second signal), and then whatever still runs ends with a
+    clean error, before the engines are stopped."""
     app.state.draining = True
     busy = client.num_in_flight
     logs.announce(f"shutting down; {busy} request(s) in flight get up to "
                   f"{config.drain_timeout_s:g} s", in_flight=busy)  # fmt: skip
     deadline = time.monotonic() + config.drain_timeout_s
-    while client.num_in_flight and time.monotonic() < deadline:
+    while client.num_in_flight and time.monotonic() < deadline and not hurried():
         await asyncio.sleep(0.1)
     if client.num_in_flight:
         client.stop_all("the server is shutting down")
