@@ -136,7 +136,7 @@ def _add_routes(app: FastAPI) -> None:
     async def model(model: str, request: Request) -> Response:
         card = _model_card(request)
         if model != card.id:
-            raise errors.model_not_found(model)
+            raise errors.model_not_found(model, card.id)
         return _json(card)
 
     @app.post("/v1/chat/completions")

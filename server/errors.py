@@ -68,10 +68,9 @@ def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param=param)
 
 
-def model_not_found(model: str) -> APIError:
-    return APIError(
-        f"The model `{model}` does not exist.", 404, param="model", code="model_not_found"
-    )
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(f"The model `{model}` does not exist; this server serves `{served}` "
+                    "(GET /v1/models).", 404, param="model", code="model_not_found")  # fmt: skip
 
 
 def unauthorized(

@@ -237,7 +237,7 @@ class Serving:
 
     def _check_ready(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise model_not_found(model)
+            raise model_not_found(model, self.model_name)
         if not self.client.is_healthy:
             raise engine_unavailable("the engine process is not running")
 

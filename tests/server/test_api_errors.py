@@ -39,12 +39,12 @@ def test_schema_violation_is_400_not_422(http):
     assert error["param"] == "messages"
 
 
-def test_unknown_model_is_404_model_not_found(http):
+def test_unknown_model_is_404_model_not_found_naming_the_served_one(http, server):
     response = http.post("/v1/chat/completions", json={"model": "gpt-17", "messages": QUESTION})
     error = _error(response, 404)
     assert error["code"] == "model_not_found"
-    assert "gpt-17" in error["message"]
-    _error(http.get("/v1/models/gpt-17"), 404)
+    assert "gpt-17" in error["message"] and f"serves `{server.model}`" in error["message"]
+    assert f"serves `{server.model}`" in _error(http.get("/v1/models/gpt-17"), 404)["message"]
 
 
 def test_context_overflow_is_400_with_the_numbers(http):
