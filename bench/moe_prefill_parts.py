@@ -13,6 +13,12 @@ dense GEMM of the same FLOPs as each grouped one (what the matrix units give at 
 shape without groups). Floors: the FLOPs at the measured matmul peak, and the experts'
 weights (every expert is chosen at these token counts) at the copy ceiling.
 
+Then the two grouped GEMMs alone under what decides their speed (``tiles``): the routing's
+spread (uniform random as above, against exactly the mean number of rows for every expert)
+and torch's tile choice, which follows the mean rows per expert (64x128 tiles up to 128,
+128x256 above: its rows are padded with rows in no group to cross that line). Each is
+checked against the unpadded product.
+
 Writes ``moe_prefill_parts_h200.json`` to --out and prints a table last.
 """
 
@@ -90,11 +96,52 @@ def stages(x, ids, weights, w13, w2) -> dict:
     }
 
 
+def balanced_offsets(pairs: int) -> torch.Tensor:
+    """Every expert the same number of rows (the mean; the last takes what is left)."""
+    per = pairs // EXPERTS
+    offsets = torch.arange(1, EXPERTS + 1, device="cuda", dtype=torch.int32) * per
+    offsets[-1] = pairs
+    return offsets
+
+
+def wide_tile_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` followed by rows in no group, enough that torch's grouped GEMM takes its
+    128x256 tile (it picks by the mean rows per group: above 128)."""
+    need = 129 * EXPERTS - rows.shape[0]
+    return rows if need <= 0 else torch.cat([rows, rows.new_zeros(need, rows.shape[1])])
+
+
+def tiles(tokens: int, w13, w2) -> dict:
+    """ms of the gate/up and the down grouped GEMM by routing spread and tile choice."""
+    pairs = tokens * TOP_K
+    ids, _ = routing(tokens)
+    counts = torch.bincount(ids.flatten(), minlength=EXPERTS)
+    routed = counts.cumsum(0, dtype=torch.int32)
+    b_gu, b_d = w13.transpose(1, 2), w2.transpose(1, 2)
+    a_gu = torch.randn(pairs, HIDDEN, device="cuda", dtype=BF16)
+    a_d = torch.randn(pairs, INTER, device="cuda", dtype=BF16)
+    out = {"rows_per_expert": {"mean": pairs / EXPERTS, "max": int(counts.max()),
+                               "over_128": int((counts > 128).sum())}}  # fmt: skip
+    for spread, offs in (("random", routed), ("balanced", balanced_offsets(pairs))):
+        for name, a, b in (("gate_up", a_gu, b_gu), ("down", a_d, b_d)):
+            ref = torch._grouped_mm(a, b, offs=offs)
+            wide = wide_tile_rows(a)
+            got = torch._grouped_mm(wide, b, offs=offs)[:pairs]
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            out[f"{name}_{spread}"] = {
+                "ms": time_calls([lambda a=a, b=b, o=offs: torch._grouped_mm(a, b, offs=o)])[0],
+                "ms_wide_tile": time_calls([lambda w=wide, b=b, o=offs: torch._grouped_mm(
+                    w, b, offs=o)])[0],
+                "wide_tile_rel_err": err,
+            }  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--commit", default="")
-    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--tokens", default="2048,4096,8192,16384")
     args = ap.parse_args()
     ceilings = measure_ceilings()
     copy_gbps, peak_tflops = ceilings["copy_GBps"], ceilings["matmul_TFLOPs"]
@@ -121,6 +168,7 @@ def main() -> None:
                 "dense_mm_like_down": d_flops / parts["dense_mm_like_down"] / 1e9,
             },
         }  # fmt: skip
+        row["tiles"] = tiles(tokens, w13, w2)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del x
@@ -137,6 +185,8 @@ def main() -> None:
         for name, ms in r["parts_ms"].items():
             tf = r["tflops"].get(name)
             print(f"    {name:<24} {ms:8.3f} ms" + (f"  {tf:5.0f} TFLOP/s" if tf else ""))
+        for name, t in r["tiles"].items():
+            print(f"    tiles {name:<18} {t}")
 
 
 if __name__ == "__main__":
