@@ -16,8 +16,10 @@ which reads anything back to the host, so a decode step captures in a CUDA graph
 3. Two TileLang kernels, one CTA per (row block, output tile):
    ``gate_up``: ``h = silu(x w_gate^T) * (x w_up^T)`` with both products accumulated in
    float32 and the SiLU in the epilogue, one rounding; ``down``: ``y = h w2^T`` times each
-   row's routing weight, scattered to the row's pair. Blocks past the last run no loop.
-   The pairs' outputs ``[T, K, H]`` are summed in float32 by torch.
+   row's routing weight, written in place (whole rows of the block: scattering each row to
+   its pair made the kernel four times slower, bench/results/moe_gemm_probe_h200.json).
+   Blocks past the last run no loop. torch gathers the pairs back into (token, k) order
+   (``row_of_pair``) and sums their outputs ``[T, K, H]`` in float32.
 
 CTAs are launched in panels of ``GROUP_M`` row blocks × every output tile, row block
 fastest: the row blocks of one expert read each weight tile back to back (from L2 after
@@ -170,7 +172,6 @@ def _down_program(experts, hidden, inter, dtype, block_m, block_n, block_k, stag
     accum = "float32"
     rows = T.dynamic("rows")
     m_blocks = T.dynamic("m_blocks")
-    num_pairs = T.dynamic("num_pairs")
     n_tiles = hidden // block_n
 
     @T.prim_func
@@ -178,14 +179,14 @@ def _down_program(experts, hidden, inter, dtype, block_m, block_n, block_k, stag
         Hs: T.Tensor([rows, inter], dtype),
         W2: T.Tensor([experts, hidden, inter], dtype),
         block_expert: T.Tensor([m_blocks], "int32"),
-        sorted_ids: T.Tensor([rows], "int32"),
-        pair_weights: T.Tensor([num_pairs], accum),
-        Y: T.Tensor([num_pairs, hidden], dtype),
+        row_weights: T.Tensor([rows], accum),
+        Y: T.Tensor([rows, hidden], dtype),
     ):
         with T.Kernel(m_blocks * n_tiles, threads=threads) as bid:
             a_s = T.alloc_shared([block_m, block_k], dtype)
             w_s = T.alloc_shared([block_n, block_k], dtype)
             acc = T.alloc_fragment([block_m, block_n], accum)
+            out = T.alloc_fragment([block_m, block_n], dtype)
 
             mb, nb = _tile_of(bid, m_blocks, n_tiles)
             expert = block_expert[mb]
@@ -197,9 +198,8 @@ def _down_program(experts, hidden, inter, dtype, block_m, block_n, block_k, stag
                 T.copy(W2[e, nb * block_n, k * block_k], w_s)
                 T.gemm(a_s, w_s, acc, transpose_B=True)
             for i, j in T.Parallel(block_m, block_n):
-                pair = sorted_ids[mb * block_m + i]
-                if pair < num_pairs:
-                    Y[pair, nb * block_n + j] = T.cast(acc[i, j] * pair_weights[pair], dtype)
+                out[i, j] = T.cast(acc[i, j] * row_weights[mb * block_m + i], dtype)
+            T.copy(out, Y[mb * block_m, nb * block_n])
 
     return main
 
@@ -213,6 +213,7 @@ class MoEAlignment:
 
     sorted_ids: torch.Tensor  # [rows] int32: the pair (t * K + k) in each row; T*K = padding
     block_expert: torch.Tensor  # [rows // block_m] int32: each block's expert; E = no expert
+    row_of_pair: torch.Tensor  # [T*K] int64: the row of each pair (sorted_ids' inverse)
     block_m: int
 
     @property
@@ -243,10 +244,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     rank = torch.arange(pairs, device=device) - start[experts]
     rows = max_rows(pairs, num_experts, block_m)
     sorted_ids = torch.full((rows,), pairs, dtype=torch.int32, device=device)
-    sorted_ids[padded_start[experts] + rank] = order.to(torch.int32)
+    placed = padded_start[experts] + rank
+    sorted_ids[placed] = order.to(torch.int32)
+    row_of_pair = torch.empty_like(placed).scatter_(0, order, placed)
     block_starts = torch.arange(0, rows, block_m, device=device)
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    return MoEAlignment(sorted_ids, block_expert, block_m)
+    return MoEAlignment(sorted_ids, block_expert, row_of_pair, block_m)
 
 
 def fused_moe_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
@@ -301,12 +304,12 @@ def fused_moe(
     x = hidden.contiguous().index_select(0, (align.sorted_ids.clamp(max=pairs - 1) // top_k))
     h = torch.empty(align.rows, w2.shape[2], dtype=hidden.dtype, device=hidden.device)
     _KERNELS.get(gate_up_cfg, grouped_gemm_build)(x, w13, align.block_expert, h)
-    y = torch.empty(pairs, width, dtype=hidden.dtype, device=hidden.device)
-    weights = topk_weights.flatten().float().contiguous()
-    _KERNELS.get(down_cfg, grouped_gemm_build)(
-        h, w2, align.block_expert, align.sorted_ids, weights, y
-    )
-    return y.view(tokens, top_k, width).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    y = torch.empty(align.rows, width, dtype=hidden.dtype, device=hidden.device)
+    # each row's routing weight (padding rows: any, never read back)
+    weights = topk_weights.flatten().float()[align.sorted_ids.clamp(max=pairs - 1)]
+    _KERNELS.get(down_cfg, grouped_gemm_build)(h, w2, align.block_expert, weights, y)
+    per_pair = y.index_select(0, align.row_of_pair)  # (token, k) order
+    return per_pair.view(tokens, top_k, width).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
 
 
 @functools.cache
@@ -363,13 +366,14 @@ def moe_experts_cuda(
     w13: torch.Tensor,
     w2: torch.Tensor,
 ) -> torch.Tensor:
-    """The faster of the two grouped GEMMs for this many pairs, as measured on the H200
-    at DeepSeek-V3's shape (bench/results/mla_moe_h200.json): the TileLang kernel while
-    experts get under one pair in eight on average (1 token: 0.32 vs 0.35 ms), torch's
-    grouped GEMM above (64 tokens 6.3 vs 6.9 ms, 256 tokens 7.2 vs 9.1 ms, a 4k-token
-    prefill 13 vs 27 ms then, 10.9 ms since the pairs come back by a gather,
-    moe_prefill_parts_h200.json) where it exists. Both are free of host synchronisation."""
-    if topk_ids.numel() * 8 > w13.shape[0] and grouped_mm_available(hidden.device.index or 0):
+    """The faster of the two grouped GEMMs for this many pairs, as measured on the H200 at
+    DeepSeek-V3's shape (bench/results/mla_moe_h200.json): the TileLang kernel while its
+    16-row blocks serve (decode: 1 / 64 / 256 tokens 0.28 / 5.2 / 6.1 ms, 60-93 % of the
+    experts' weight bytes at the copy rate, against torch's 0.35 / 6.4 / 7.1), torch's
+    grouped GEMM for prefills where it exists (4k tokens 10.5 ms against 21.4, 16k 24.5
+    against 47). Both are free of host synchronisation."""
+    pairs, experts = topk_ids.numel(), w13.shape[0]
+    if block_m_for(pairs, experts) > 16 and grouped_mm_available(hidden.device.index or 0):
         return grouped_mm_moe(hidden, topk_ids, topk_weights, w13, w2)
     return fused_moe(hidden, topk_ids, topk_weights, w13, w2)
 

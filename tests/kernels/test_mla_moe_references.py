@@ -113,6 +113,8 @@ def test_moe_align_puts_every_pair_once_in_its_experts_blocks(tokens, experts, t
     assert len(used) == sum(-(-int(c) // block_m) for c in torch.bincount(
         ids.flatten(), minlength=experts))  # fmt: skip
     assert (align.block_expert[len(used) :] == experts).all()
+    # the pairs come back from the rows through row_of_pair, sorted_ids' inverse
+    assert (sorted_ids[align.row_of_pair] == torch.arange(pairs)).all()
 
 
 def test_block_m_grows_with_the_tokens_per_expert():
