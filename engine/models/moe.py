@@ -16,8 +16,8 @@ w2)``, a pure function of the tokens, the routing and the stacked expert weights
   w2[e] (silu(gate_e(x)) * up_e(x))`` with ``e = topk_ids[t, k]``.
 
 On CUDA it is a grouped GEMM over the tokens each expert received
-(``kernels.moe.moe_experts_cuda``: the TileLang kernel ``fused_moe`` at a few tokens,
-torch's ``_grouped_mm`` above, whichever measured faster): no host synchronisation, so
+(``kernels.moe.moe_experts_cuda``: the TileLang kernel ``fused_moe`` for decode batches,
+torch's ``_grouped_mm`` for prefills, whichever measured faster): no host synchronisation, so
 a decode step captures in a CUDA graph and reads only the chosen experts' weights. An
 expert-parallel dispatcher (tokens to the ranks that own their experts and back) takes
 its place the same way, without the model changing.
