@@ -124,7 +124,11 @@ def _tile_of(bid, m_blocks, n_tiles):
     return panel * GROUP_M + in_panel % panel_m, in_panel // panel_m
 
 
-def _gate_up_program(experts, inter, hidden, dtype, block_m, block_n, block_k, stages, threads):
+def _gate_up_program(
+    experts, inter, hidden, dtype, block_m, block_n, block_k, stages, threads, fixed_steps=False
+):
+    """``fixed_steps``: every CTA runs the whole loop (a trip count known when compiling),
+    for a caller that launches only the blocks holding rows (bench.moe_gemm_probe)."""
     import tilelang.language as T
 
     accum = "float32"
@@ -150,7 +154,11 @@ def _gate_up_program(experts, inter, hidden, dtype, block_m, block_n, block_k, s
             mb, nb = _tile_of(bid, m_blocks, n_tiles)
             expert = block_expert[mb]
             e = T.min(expert, experts - 1)
-            steps = T.if_then_else(expert < experts, hidden // block_k, 0)
+            steps = (
+                hidden // block_k
+                if fixed_steps
+                else T.if_then_else(expert < experts, hidden // block_k, 0)
+            )
             T.clear(acc_g)
             T.clear(acc_u)
             for k in T.Pipelined(steps, num_stages=stages):
