@@ -320,7 +320,19 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument(
+        "--moe-decode-tokens",
+        default=",".join(map(str, MOE_DECODE)),
+        help="token counts timed against the weights' floor (the MoE section)",
+    )
+    parser.add_argument(
+        "--moe-prefill-tokens",
+        default=",".join(map(str, MOE_PREFILL)),
+        help="token counts timed against the matmul peak ('' for none)",
+    )
     args = parser.parse_args()
+    MOE_DECODE[:] = [int(t) for t in args.moe_decode_tokens.split(",") if t]
+    MOE_PREFILL[:] = [int(t) for t in args.moe_prefill_tokens.split(",") if t]
     sections = args.sections.split(",")
     result = machine_info()
     if args.commit:
