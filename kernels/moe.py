@@ -376,10 +376,11 @@ def moe_experts_cuda(
 ) -> torch.Tensor:
     """The faster of the two grouped GEMMs for this many pairs, as measured on the H200 at
     DeepSeek-V3's shape (bench/results/mla_moe_h200.json): the TileLang kernel while its
-    16-row blocks serve (decode: 1 / 64 / 256 tokens 0.28 / 5.2 / 6.1 ms, 60-93 % of the
-    experts' weight bytes at the copy rate, against torch's 0.35 / 6.4 / 7.1), torch's
-    grouped GEMM for prefills where it exists (4k tokens 10.5 ms against 21.4, 16k 24.5
-    against 47). Both are free of host synchronisation."""
+    16-row blocks serve, up to 24 pairs per expert on average (decode: 1 / 64 / 256 tokens
+    0.27 / 4.9 / 5.7 ms, 63-98 % of the chosen experts' weights at the copy rate, against
+    torch's 0.35 / 6.3 / 7.1; 512 tokens 6.7 against 7.1, and at 1,024 torch's 7.3 against
+    9.7), torch's grouped GEMM above where it exists (prefill: 4k tokens 10.8 ms against
+    17.3, 16k 25.3 against 39.8). Both are free of host synchronisation."""
     pairs, experts = topk_ids.numel(), w13.shape[0]
     if block_m_for(pairs, experts) > 16 and grouped_mm_available(hidden.device.index or 0):
         return grouped_mm_moe(hidden, topk_ids, topk_weights, w13, w2)
