@@ -309,12 +309,12 @@ def fused_moe(
     block_m = block_m or block_m_for(pairs, experts)
     gate_up_cfg, down_cfg = kernel_configs(experts, width, w2.shape[2], hidden.dtype, block_m)
     align = moe_align(topk_ids, experts, block_m)
-    x = hidden.contiguous().index_select(0, (align.sorted_ids.clamp(max=pairs - 1) // top_k))
+    pair_of_row = align.sorted_ids.clamp(max=pairs - 1)  # padding rows: any pair, never read back
+    x = hidden.contiguous().index_select(0, pair_of_row // top_k)
     h = torch.empty(align.rows, w2.shape[2], dtype=hidden.dtype, device=hidden.device)
     _KERNELS.get(gate_up_cfg, grouped_gemm_build)(x, w13, align.block_expert, h)
     y = torch.empty(align.rows, width, dtype=hidden.dtype, device=hidden.device)
-    # each row's routing weight (padding rows: any, never read back)
-    weights = topk_weights.flatten().float()[align.sorted_ids.clamp(max=pairs - 1)]
+    weights = topk_weights.flatten().float()[pair_of_row]  # each row's routing weight
     _KERNELS.get(down_cfg, grouped_gemm_build)(h, w2, align.block_expert, weights, y)
     per_pair = y.index_select(0, align.row_of_pair)  # (token, k) order
     return per_pair.view(tokens, top_k, width).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
