@@ -52,8 +52,8 @@ SCALE = (RANK // 4 + ROPE) ** -0.5  # DeepSeek-V3's (nope 128 + rope 64) ** -0.5
 MLA_POINTS = [(b, c) for c in (1024, 8192, 32768) for b in (1, 16, 64, 128)]
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 EXPERTS, TOP_K, HIDDEN, INTER = 256, 8, 7168, 2048
-MOE_DECODE = [1, 64, 256]
-MOE_PREFILL = [4096, 16384]
+MOE_DECODE = (1, 64, 256)
+MOE_PREFILL = (4096, 16384)
 SECTIONS = ("mla", "moe", "router")
 
 
@@ -201,12 +201,12 @@ def _moe_variants(tokens: int, decode: bool) -> dict[str, Callable]:
     return variants
 
 
-def bench_moe() -> dict:
+def bench_moe(decode_tokens=MOE_DECODE, prefill_tokens=MOE_PREFILL) -> dict:
     w13, w2 = moe_weights()
     expert_bytes = 3 * HIDDEN * INTER * 2
     out = {"decode": [], "prefill": []}
-    for tokens in MOE_DECODE + MOE_PREFILL:
-        decode = tokens in MOE_DECODE
+    for tokens in (*decode_tokens, *prefill_tokens):
+        decode = tokens in decode_tokens
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=BF16)
         ids, weights = routing(tokens)
         touched = int(ids.unique().numel())
@@ -232,7 +232,7 @@ def bench_moe() -> dict:
     return out
 
 
-def bench_router() -> list[dict]:
+def bench_router(decode_tokens=MOE_DECODE, prefill_tokens=MOE_PREFILL) -> list[dict]:
     from engine.loader.dummy import dummy_config
     from engine.models.moe import Router
 
@@ -242,7 +242,7 @@ def bench_router() -> list[dict]:
         router.weight.normal_(0, cfg.hidden_size**-0.5)
         router.e_score_correction_bias.normal_(0, 0.01)
     rows = []
-    for tokens in MOE_DECODE + MOE_PREFILL:
+    for tokens in (*decode_tokens, *prefill_tokens):
         x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=BF16)
         with torch.inference_mode():
             ms, how = time_calls([partial(router, x)])
@@ -331,8 +331,8 @@ def main() -> None:
         help="token counts timed against the matmul peak ('' for none)",
     )
     args = parser.parse_args()
-    MOE_DECODE[:] = [int(t) for t in args.moe_decode_tokens.split(",") if t]
-    MOE_PREFILL[:] = [int(t) for t in args.moe_prefill_tokens.split(",") if t]
+    tokens = [[int(t) for t in arg.split(",") if t]
+              for arg in (args.moe_decode_tokens, args.moe_prefill_tokens)]  # fmt: skip
     sections = args.sections.split(",")
     result = machine_info()
     if args.commit:
@@ -342,7 +342,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "mla_moe_h200.json"
-    for section, fn in [("mla", bench_mla), ("moe", bench_moe), ("router", bench_router)]:
+    for section, fn in [("mla", bench_mla), ("moe", partial(bench_moe, *tokens)),
+                        ("router", partial(bench_router, *tokens))]:  # fmt: skip
         if section not in sections:
             continue
         try:

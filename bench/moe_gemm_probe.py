@@ -83,18 +83,18 @@ def probe(tokens: int, w13: torch.Tensor, w2: torch.Tensor, kernels: dict) -> di
     ms, _ = time_calls([lambda: torch._grouped_mm(hs, w2.transpose(1, 2), offs=offsets)])
     row["torch_down_grouped_mm_ms"] = ms
     for name, kernel in kernels.items():
-        _, block_m, _, _ = VARIANTS[name]
+        mode, block_m, _, _ = VARIANTS[name]
         align = moe.moe_align(ids, EXPERTS, block_m)
         xs = x.index_select(0, align.sorted_ids.clamp(max=pairs - 1) // TOP_K)
         out = torch.empty(align.rows, INTER, dtype=BF16, device="cuda")
-        used = int((align.block_expert < EXPERTS).sum()) if VARIANTS[name][0] == "const" else None
-        args = (xs, w13, align.block_expert, out)
-        if used is not None:  # only the blocks that hold rows
-            args = (xs[: used * block_m], w13, align.block_expert[:used], out[: used * block_m])
+        blocks = align.block_expert.numel()
+        if mode == "const":  # only the blocks that hold rows
+            blocks = int((align.block_expert < EXPERTS).sum())
+        n = blocks * block_m
+        args = (xs[:n], w13, align.block_expert[:blocks], out[:n])
         kernel(*args)
         valid = align.sorted_ids < pairs
-        if used is not None:
-            valid[used * block_m :] = False
+        valid[n:] = False
         ref_rows = _reference(xs[valid], w13, align, valid, block_m)
         err = ((out[valid].float() - ref_rows).norm() / ref_rows.norm()).item()
         ms, how = time_calls([lambda args=args, kernel=kernel: kernel(*args)])
