@@ -549,7 +549,10 @@ class EngineConfig:
     cpu_weights: str = "auto"
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
-    enforce_eager: bool = False  # on CUDA: no decode CUDA graphs, every step runs eagerly
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs eagerly
+    # on CUDA: steps with prompt tokens, up to this many tokens (and the step's token
+    # budget), replay graph pieces between eager attentions (engine.piecewise_graphs); 0: eager
+    piecewise_graph_tokens: int = 512
     # plan step N+1 while step N runs (engine.core); None: on where the device runs
     # asynchronously to the host (CUDA), off on the CPU, where there is nothing to overlap
     overlap_scheduling: bool | None = None

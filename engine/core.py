@@ -167,7 +167,7 @@ class EngineCore:
         group), and its decode graphs only where its dispatcher can be captured."""
         sched = self.config.scheduler
         steps = warm_up_steps(config.device, sched, self.max_model_len) if experts is None else ()
-        graphs = None
+        graphs = pieces = None
         if torch.device(config.device).type == "cuda" and not config.enforce_eager:
             if experts is None or experts.dispatcher.capturable:
                 graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
@@ -175,17 +175,23 @@ class EngineCore:
             else:
                 log.info("decode steps run eagerly: the %s cannot be captured",
                          type(experts.dispatcher).__name__)  # fmt: skip
+            tokens = min(config.piecewise_graph_tokens, sched.max_num_batched_tokens)
+            if experts is None and tokens > 0:  # a group's exchange stays out of the pieces
+                pieces = self.runner.capture_piecewise_graphs(tokens, capture=False)
         started, compiled = time.perf_counter(), compile_seconds()
         with parallel_builds():
             self.runner.warm_up_forwards(steps)
-            if graphs is not None:
-                graphs.dry_run()
+            for padded in (graphs, pieces):
+                if padded is not None:
+                    padded.dry_run()
         self.runner.warm_up_forwards(steps)
         self.startup["warm_up"] = time.perf_counter() - started - (compile_seconds() - compiled)
         captured, compiled = time.perf_counter(), compile_seconds()
         if graphs is not None:
             graphs.capture()
             spec.graphs(max(graphs.sizes))
+        if pieces is not None:
+            pieces.capture()
         self.startup["graphs"] = time.perf_counter() - captured - (compile_seconds() - compiled)
 
     def _encoder(self, model: torch.nn.Module) -> VisionEncoder | None:

@@ -32,7 +32,10 @@ depend only on the request and the token index, so prefix hits, chunking, preemp
 a request that arrives with its KV computed elsewhere need nothing special.
 
 Decode-only steps replay a CUDA graph when ``capture_decode_graphs`` has run
-(``engine.cuda_graphs``); other steps run eagerly. Either way the step's forward and its
+(``engine.cuda_graphs``); steps with prompt tokens, up to the token count that
+``capture_piecewise_graphs`` was given, replay graph pieces between eager attentions
+(``engine.piecewise_graphs``), unless they splice image embeddings in or place tokens by
+M-RoPE; other steps run eagerly. Either way the step's forward and its
 sampling only queue device work: inputs go over from pinned memory without waiting, and
 the copy of the sampled tokens back to the host at the end of ``execute`` is the step's
 one synchronisation.
@@ -58,6 +61,7 @@ from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
 from engine.models.base import CausalLM, RopeTable, Spliced
 from engine.models.quant import decode_rows
+from engine.piecewise_graphs import TOKEN_BUCKETS, PiecewiseGraphs
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult, StepTiming
 from engine.request import UNRESOLVED
 from engine.sampler import (
@@ -220,6 +224,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.states: dict[str, _RowState] = {}
         self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         self.num_forwards = 0  # model forwards run (or replayed) since start
 
     @property
@@ -243,6 +248,15 @@ class ModelRunner:
         )
         self.graphs.resolve_inputs = self.resolve_inputs
         return self.graphs
+
+    def capture_piecewise_graphs(
+        self, max_tokens: int, buckets: tuple[int, ...] = TOKEN_BUCKETS, capture: bool = True
+    ) -> PiecewiseGraphs:
+        """From now on, steps of up to ``max_tokens`` tokens that no decode graph holds
+        replay graph pieces between eager attentions (``capture=False``: the same padded
+        buffers and attention calls, without graphs; the CPU's way to exercise them)."""
+        self.pieces = PiecewiseGraphs(self.model, self.backend, max_tokens, buckets, capture)
+        return self.pieces
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.finish(self.launch(plan))
@@ -398,9 +412,14 @@ class ModelRunner:
             rows = [i for i, c in enumerate(chunks) if c.sample]
             return logits[_rows(rows, self.device)], hidden
         inputs = self.prepare(StepPlan(chunks=chunks))
-        ctx = ForwardContext(inputs.meta, self.backend)
-        with decode_rows(_decode_row_mask(chunks) if self.device.type == "cpu" else None):
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx, inputs.spliced)
+        pieces = self.pieces
+        if (pieces is not None and inputs.spliced is None and inputs.positions.dim() == 1
+                and pieces.accepts(inputs.input_ids.shape[0])):  # fmt: skip
+            hidden = pieces.run(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            ctx = ForwardContext(inputs.meta, self.backend)
+            with decode_rows(_decode_row_mask(chunks) if self.device.type == "cpu" else None):
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx, inputs.spliced)
         self.num_forwards += 1
         if any(prompt_rows):
             self._prompt_logprobs(chunks, prompt_rows, hidden)

@@ -267,7 +267,11 @@ def add_engine_flags(p: Any) -> None:
                         default=None, help="plan each step while the previous one runs "
                         "(default: on CUDA)")
     engine.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="CUDA: no decode CUDA graphs, run every step eagerly")
+                        help="CUDA: no CUDA graphs, run every step eagerly")
+    engine.add_argument("--piecewise-graph-tokens", type=int_at_least(0), metavar="N",
+                        help="CUDA: steps with prompt tokens of up to N tokens replay CUDA "
+                             "graphs between eager attentions; 0: eagerly (default: "
+                             f"{EngineConfig.piecewise_graph_tokens})")
     engine.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars, LRU "
                         f"(default: {StructuredOutputConfig.grammar_cache_mb})")
     engine.add_argument("--grammar-compile-threads", type=int, help="threads compiling "
@@ -463,7 +467,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     top = _given(
         args, seed="seed", num_threads="threads", device="device", dtype="dtype",
         cpu_weights="cpu_weights", enforce_eager="enforce_eager",
-        overlap_scheduling="overlap_scheduling",
+        piecewise_graph_tokens="piecewise_graph_tokens", overlap_scheduling="overlap_scheduling",
     )  # fmt: skip
     ep = ExpertParallelConfig(
         redundant_experts=args.ep_redundant_experts, eplb_interval=args.eplb_interval,

@@ -183,9 +183,9 @@ def test_cuda_graph_decode_of_moe_models_matches_eager(preset):
 @needs_cuda
 @pytest.mark.parametrize("preset", ["smollm2-135m", "deepseek-v3-tiny"])
 def test_an_engines_start_up_captures_graphs_that_generate_as_an_eager_engine(preset):
-    """The start-up's path: one dry run shared by the warm-up and the graphs, the warm-up,
-    then the capture (``EngineCore._warm_up``); greedy generations of a batch equal those
-    of an engine with no graphs."""
+    """The start-up's path: one dry run shared by the warm-up and the graphs (decode and
+    piecewise), the warm-up, then the captures (``EngineCore._warm_up``); greedy
+    generations of a batch equal those of an engine with no graphs."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from engine.llm import LLM
 
@@ -200,9 +200,10 @@ def test_an_engines_start_up_captures_graphs_that_generate_as_an_eager_engine(pr
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     graphed = engine(eager=False)
     assert graphed.core.runner.graphs.captured
+    assert graphed.core.runner.pieces.captured  # the 237-token prefill replays pieces
     ours = [r.token_ids for r in graphed.generate(batch, greedy)]
     graphed.core.check_integrity()
     del graphed
     eager = engine(eager=True)
-    assert eager.core.runner.graphs is None
+    assert eager.core.runner.graphs is None and eager.core.runner.pieces is None
     assert ours == [r.token_ids for r in eager.generate(batch, greedy)]

@@ -86,11 +86,14 @@ def run_steps(runner, params: list[SamplingParams], steps: int, guarded: bool) -
     return out
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graphs", "eager"])
+@pytest.mark.parametrize("graphs", ["decode", "piecewise", ""],
+                         ids=["cuda_graphs", "piecewise_graphs", "eager"])  # fmt: skip
 def test_forward_and_sampling_never_synchronise(graphs):
     runner, _ = make_runner("cuda", torch.bfloat16, blocks=256)
     if graphs:
         runner.capture_decode_graphs(max_batch=8, max_seq_len=512)
+    if graphs == "piecewise":  # the prefill step replays pieces
+        runner.capture_piecewise_graphs(128)
     params = list(PARAMS.values())
     run_steps(runner, params, steps=3, guarded=False)  # compile kernels, warm allocators
     run_steps(runner, params, steps=6, guarded=True)
