@@ -39,7 +39,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    _token_rows: dict[int, TokenRows] = field(
+    _token_rows: dict[object, object] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )  # built once a step (token_rows), never copied to another
 
@@ -62,6 +62,33 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
 
+    def sequences(self, seqs: tuple[int, ...]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step cut down to the sequences ``seqs`` (indices in the step, ascending):
+        their token rows [N] and their metadata, without slots (a backend stores the
+        whole step's KV first). Built once per step, like ``token_rows``."""
+        key = ("sequences", seqs)
+        cached = self._token_rows.get(key)
+        if cached is None:
+            start = np.cumsum([0, *self.query_lens_cpu])
+            rows = np.concatenate([np.arange(start[i], start[i + 1]) for i in seqs])
+            query_lens = [self.query_lens_cpu[i] for i in seqs]
+            seq_lens = [self.seq_lens_cpu[i] for i in seqs]
+            device = self.seq_lens.device
+            index = host_to_device(np.asarray(seqs, dtype=np.int64), device)
+            cached = self._token_rows[key] = (
+                host_to_device(rows.astype(np.int64), device),
+                AttentionMetadata(
+                    query_start_loc=host_to_device(
+                        np.cumsum([0, *query_lens]).astype(np.int32), device),
+                    seq_lens=self.seq_lens.index_select(0, index),
+                    block_tables=self.block_tables.index_select(0, index),
+                    slot_mapping=self.slot_mapping[:0],
+                    max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                    query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+                ),
+            )  # fmt: skip
+        return cached
+
     def token_rows(self, max_query_len: int) -> TokenRows:
         """The new tokens of the sequences with at most ``max_query_len`` of them, each as a
         decode row of its own: a sequence's j-th new token attends over its context up to
@@ -78,11 +105,13 @@ class AttentionMetadata:
 class TokenRows:
     """``AttentionMetadata.token_rows``: ``rows`` [N], the step's token rows of the short
     sequences, and ``meta``, one query per row (None when no sequence is short);
-    ``others``, the sequences left (their indices in the step)."""
+    ``others``, the sequences left (their indices in the step); ``leading``, the number
+    of rows when the short sequences are the step's first ones (0 otherwise)."""
 
     rows: torch.Tensor | None
     meta: AttentionMetadata | None
     others: tuple[int, ...]
+    leading: int = 0  # when the short sequences are the step's first ones: their rows
 
     @classmethod
     def of(cls, meta: AttentionMetadata, max_query_len: int) -> TokenRows:
@@ -108,6 +137,7 @@ class TokenRows:
                 query_lens_cpu=[1] * len(rows), seq_lens_cpu=lens,
             ),  # fmt: skip
             others=others,
+            leading=len(rows) if short == list(range(len(short))) else 0,
         )
 
 

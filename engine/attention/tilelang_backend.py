@@ -3,9 +3,13 @@
 Same contract as every backend (``engine.attention.base``): store the step's k and v at
 ``slot_mapping``, then attend each sequence's queries over its whole context, causally.
 A pure-decode step (one query per sequence) goes to the split-K paged decode kernel;
-anything else (prefill, chunked prefill, mixed batches) to the varlen prefill kernel,
-which treats decode rows as chunks of length one. No host-device synchronisation: the
-kernels' grids are sized from the metadata's host-side fields.
+prefill and chunked prefill to the varlen prefill kernel. A mixed step splits: its decode
+rows go to the decode kernel and its longer chunks to the prefill kernel
+(``AttentionMetadata.token_rows`` / ``sequences``) — in the prefill kernel a decode row
+fills one row of a 64-row query tile and its heads read their KV head each on their own,
+which took a step of 32 decode rows (1k contexts) beside a 32-token prompt chunk 10.5 ms
+on an H200 at the 8B shape against 5.7 ms for the chunk alone. No host-device
+synchronisation: the kernels' grids are sized from the metadata's host-side fields.
 """
 
 from __future__ import annotations
@@ -41,26 +45,35 @@ class TileLangBackend(AttentionBackend):
         slots = meta.slot_mapping.contiguous()
         write_kv_cache(k.to(cache.dtype), v.to(cache.dtype), cache, slots)
         query = q.to(cache.dtype)
-        tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-        if meta.is_pure_decode:  # takes q as a strided slice of the qkv projection
-            out = paged_decode_attention(
-                query,
-                cache,
-                tables,
-                seq_lens,
-                num_kv_heads=self.num_kv_heads,
-                scale=self.scale,
-                max_seq_len=meta.max_seq_len,
-            )
-        else:
-            out = prefill_attention(
-                query.contiguous(),
-                cache,
-                tables,
-                seq_lens,
-                meta.query_start_loc.contiguous(),
-                max_query_len=meta.max_query_len,
-                num_kv_heads=self.num_kv_heads,
-                scale=self.scale,
-            )
+        if meta.is_pure_decode:
+            return self._decode(cache, query, meta).to(q.dtype)
+        split = meta.token_rows(1)
+        if split.meta is None:  # no decode row beside the chunks
+            return self._prefill(cache, query, meta).to(q.dtype)
+        rows, chunks = meta.sequences(split.others)
+        n = split.leading
+        if n:  # the decode rows come first (the scheduler's order): slices, one concatenation
+            decoded = self._decode(cache, query[:n], split.meta)
+            return torch.cat((decoded, self._prefill(cache, query[n:], chunks))).to(q.dtype)
+        out = torch.empty_like(query)
+        out[split.rows] = self._decode(cache, query[split.rows], split.meta)
+        out[rows] = self._prefill(cache, query[rows], chunks)
         return out.to(q.dtype)
+
+    def _decode(self, cache: torch.Tensor, query: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """One query per sequence (``query`` may be a strided slice of the qkv
+        projection)."""
+        return paged_decode_attention(
+            query, cache, meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
+            num_kv_heads=self.num_kv_heads, scale=self.scale, max_seq_len=meta.max_seq_len,
+        )  # fmt: skip
+
+    def _prefill(self, cache: torch.Tensor, query: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        return prefill_attention(
+            query.contiguous(), cache, meta.block_tables.contiguous(),
+            meta.seq_lens.contiguous(), meta.query_start_loc.contiguous(),
+            max_query_len=meta.max_query_len, num_kv_heads=self.num_kv_heads,
+            scale=self.scale,
+        )  # fmt: skip

@@ -96,12 +96,30 @@ def test_a_mixed_steps_short_sequences_attend_absorbed_as_the_decompressed_path_
     backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
     short = meta.token_rows(CPU_CAP)
     assert short.others == tuple(i for i, n in enumerate(query_lens) if n > CPU_CAP)
+    assert short.leading == {(5, 80): 5}.get(tuple(query_lens), 0)  # short ones first: rows
     assert short.meta.seq_lens_cpu == [s - n + 1 + j for n, s in zip(query_lens, seq_lens)
                                        if n <= CPU_CAP for j in range(n)]  # fmt: skip
     mixed = backend.forward(0, q, latent, kv_b, meta)
     assert meta.token_rows(CPU_CAP) is short  # built once a step
     decompressed = backend.prefill(cache.layers[0], q, kv_b, meta)
     torch.testing.assert_close(mixed, decompressed, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_cut_down_to_some_sequences_attends_as_the_whole_step_does():
+    """``AttentionMetadata.sequences``: the rows and metadata of some of a step's
+    sequences; attending over them gives those rows of the whole step's attention."""
+    query_lens, seq_lens = [1, 30, 1, 7], [9, 90, 33, 7]
+    cache, meta, q, latent, kv_b = _step(query_lens, seq_lens, num_blocks=128, seed=2)
+    backend = TorchMLABackend(cache, HEADS, MLA, scale=0.2)
+    backend.forward(0, q, latent, kv_b, meta)  # stores the step's latents
+    rows, part = meta.sequences((1, 3))
+    assert rows.tolist() == [*range(1, 31), *range(32, 39)]
+    assert (part.query_lens_cpu, part.seq_lens_cpu) == ([30, 7], [90, 7])
+    assert part.query_start_loc.tolist() == [0, 30, 37]
+    assert torch.equal(part.block_tables, meta.block_tables[[1, 3]])
+    assert meta.sequences((1, 3)) is meta.sequences((1, 3))  # built once a step
+    whole = backend.prefill(cache.layers[0], q, kv_b, meta)
+    torch.testing.assert_close(backend.prefill(cache.layers[0], q[rows], kv_b, part), whole[rows])
 
 
 def _hf_rope_config(rope: dict) -> DeepseekV3Config:

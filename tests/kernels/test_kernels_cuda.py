@@ -216,16 +216,22 @@ def test_write_kv_cache(kv_heads, dim, block_size, fused_qkv):
     assert torch.equal(cache, expected)
 
 
-@pytest.mark.parametrize("decode", [True, False])
-def test_backend_matches_torch_backend(decode):
+@pytest.mark.parametrize(
+    "lens, q_lens",
+    [
+        ([37, 600, 129, 1], [1, 1, 1, 1]),  # decode
+        ([37, 600, 129, 40], [37, 88, 40, 1]),  # prefill chunks, one decode row
+        ([37, 600, 129, 40], [1, 88, 1, 37]),  # decode rows between prefill chunks
+        ([37, 600], [37, 88]),  # prefill chunks only
+    ],
+)
+def test_backend_matches_torch_backend(lens, q_lens):
     from engine.attention.base import AttentionMetadata
     from engine.attention.tilelang_backend import TileLangBackend
     from engine.attention.torch_sdpa import TorchSDPABackend
     from kvstore.layout import KVCache, KVCacheLayout
 
     heads, kv_heads, dim, block_size = 32, 8, 128, 128
-    lens = [37, 600, 129, 1]
-    q_lens = [1, 1, 1, 1] if decode else [37, 88, 1, 1]
     layout = KVCacheLayout.for_attention(2, kv_heads, dim, block_size, torch.bfloat16)
     num_blocks = 1 + sum(math.ceil(n / block_size) for n in lens)
     caches = [KVCache(layout, num_blocks, "cuda") for _ in range(2)]
