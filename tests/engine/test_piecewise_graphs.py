@@ -26,8 +26,11 @@ BLOCK = 16
 
 
 def test_token_buckets_end_at_the_largest_step():
-    assert token_buckets(512) == (16, 32, 64, 128, 256, 512)
-    assert token_buckets(300) == (16, 32, 64, 128, 256, 300)
+    assert token_buckets(512) == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                  288, 320, 352, 384, 416, 448, 480, 512)  # fmt: skip
+    assert token_buckets(300) == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 288,
+                                  300)  # fmt: skip
+    assert token_buckets(64, (16, 32, 64, 128)) == (16, 32, 64)
     assert token_buckets(8) == (8,)
     assert token_buckets(0) == ()
 
