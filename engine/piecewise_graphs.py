@@ -188,14 +188,9 @@ class PiecewiseGraphs:
             return self.model(self.ids[:size], self.positions[:size], ctx)
 
     def _padding(self, size: int) -> AttentionMetadata:
-        """A step of ``size`` tokens of one sequence over the null block (block 0, never
-        handed out): what the warm-up forwards attend over."""
-        from engine.plan import ScheduledChunk
-        from engine.runner import step_inputs
-
+        """What the warm-up forwards attend over: ``size`` tokens in the null block."""
         block = self.backend.cache.layout.block_size
-        chunk = ScheduledChunk("padding", [0] * size, 0, [0] * -(-size // block), sample=False)
-        return step_inputs([chunk], block, self.device)[0].meta
+        return AttentionMetadata.over_null_block(size, block, self.device)
 
     def dry_run(self) -> None:
         """One eager forward of every bucket over padding (largest first: it sizes the

@@ -54,6 +54,22 @@ class AttentionMetadata:
             max_query_len=0, max_seq_len=0, query_lens_cpu=[], seq_lens_cpu=[],
         )  # fmt: skip
 
+    @classmethod
+    def over_null_block(cls, tokens: int, block_size: int,
+                        device: torch.device | str) -> AttentionMetadata:  # fmt: skip
+        """One sequence of ``tokens`` new tokens whose every block is block 0, the null
+        block (never handed out): what a warm-up forward over padding attends over."""
+        device = torch.device(device)
+        return cls(
+            query_start_loc=host_to_device(np.array([0, tokens], dtype=np.int32), device),
+            seq_lens=host_to_device(np.array([tokens], dtype=np.int32), device),
+            block_tables=torch.zeros(1, -(-tokens // block_size), dtype=torch.int32,
+                                     device=device),
+            slot_mapping=host_to_device(np.arange(tokens, dtype=np.int64) % block_size, device),
+            max_query_len=tokens, max_seq_len=tokens, query_lens_cpu=[tokens],
+            seq_lens_cpu=[tokens],
+        )  # fmt: skip
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -128,3 +128,19 @@ def test_cuda_piecewise_prefills_generate_as_eager():
     graphed.capture_decode_graphs(max_batch=8, max_seq_len=1024)
     batch = prompts(eager.sampler.vocab_size, [12, 150, 7])
     assert generate(graphed, batch, 16) == generate(eager, batch, 16)
+
+
+def test_padding_metadata_is_a_prompt_over_the_null_block():
+    """``AttentionMetadata.over_null_block``: the step the runner would build for a prompt
+    of zeros whose every block is block 0."""
+    from engine.attention.base import AttentionMetadata
+    from engine.runner import step_inputs
+
+    for tokens in (5, 16, 40):
+        chunk = ScheduledChunk("p", [0] * tokens, 0, [0] * -(-tokens // BLOCK), sample=False)
+        want = step_inputs([chunk], BLOCK, torch.device("cpu"))[0].meta
+        got = AttentionMetadata.over_null_block(tokens, BLOCK, "cpu")
+        for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert (got.max_query_len, got.max_seq_len, got.query_lens_cpu, got.seq_lens_cpu) == (
+            want.max_query_len, want.max_seq_len, want.query_lens_cpu, want.seq_lens_cpu)
