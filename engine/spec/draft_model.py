@@ -136,14 +136,14 @@ class DraftModelDrafter(Drafter):
         ids = [rid for rid, _, _ in starts]
         tables = {rid: proposing[rid].block_ids for rid in ids}
 
-        def forward(active: list[int], tokens: torch.Tensor, positions: torch.Tensor):
-            chunks = [
-                ScheduledChunk(ids[a], [t], p, tables[ids[a]], True)
-                for a, t, p in zip(active, tokens.tolist(), positions.tolist())
+        def forward(active: list[int], tokens: torch.Tensor, positions: list[int]):
+            chunks = [  # the token ids are the device's (``tokens``)
+                ScheduledChunk(ids[a], [0], p, tables[ids[a]], True)
+                for a, p in zip(active, positions)
             ]
             for a in active:
                 self._fed[ids[a]] += 1
-            return self._forward(chunks)
+            return self._forward(chunks, tokens)
 
         drafted = chain(self.config, logits, chain_starts, forward, self.model.config.vocab_size)
         out = {}
@@ -151,11 +151,14 @@ class DraftModelDrafter(Drafter):
             out[rid] = Proposal(len(proposing[rid].token_ids), tokens, conf)
         return out
 
-    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The draft model over ``chunks``; logits of their sampled rows."""
+    def _forward(self, chunks: list[ScheduledChunk],
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The draft model over ``chunks`` (their token ids, or ``token_ids`` on the
+        device); logits of their sampled rows."""
         from engine.runner import step_inputs
 
         inputs, _ = step_inputs(chunks, self.block_size, self.device)
         ctx = ForwardContext(inputs.meta, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        ids = inputs.input_ids if token_ids is None else token_ids
+        hidden = self.model(ids, inputs.positions, ctx)
         return self.model.compute_logits(hidden[inputs.sample_rows])

@@ -97,13 +97,13 @@ class MTPDrafter(Drafter):
             ids.append(c.request_id)
         state = {"hidden": hidden_out[sample_rows]}  # the layer's output, per drafting request
 
-        def forward(active: list[int], tokens: torch.Tensor, positions: torch.Tensor):
+        def forward(active: list[int], tokens: torch.Tensor, positions: list[int]):
             prev = state["hidden"][torch.tensor(active, device=tokens.device)]
-            step_chunks = [
-                ScheduledChunk(ids[a], [t], p, proposing[ids[a]].block_ids, True)
-                for a, t, p in zip(active, tokens.tolist(), positions.tolist())
+            step_chunks = [  # the token ids are the device's (``tokens``)
+                ScheduledChunk(ids[a], [0], p, proposing[ids[a]].block_ids, True)
+                for a, p in zip(active, positions)
             ]
-            out_logits, out_hidden, _ = self._forward(step_chunks, prev)
+            out_logits, out_hidden, _ = self._forward(step_chunks, prev, tokens)
             full = state["hidden"].clone()
             full[torch.tensor(active, device=tokens.device)] = out_hidden
             state["hidden"] = full
@@ -116,16 +116,19 @@ class MTPDrafter(Drafter):
         }
 
     def _forward(
-        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer over ``chunks`` (their token ids are the tokens that follow each
-        position) with the previous hidden states ``hidden``: logits of the sampled rows,
-        the output hidden states of every row, and the sampled rows' indices."""
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+        token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The layer over ``chunks`` (their token ids, or ``token_ids`` on the device, are
+        the tokens that follow each position) with the previous hidden states ``hidden``:
+        logits of the sampled rows, the output hidden states of every row, and the sampled
+        rows' indices."""
         from engine.runner import step_inputs
 
         inputs, _ = step_inputs(chunks, self.block_size, self.device)
         layer = self.layer
-        embed = self.model.model.embed_tokens(inputs.input_ids)
+        ids = inputs.input_ids if token_ids is None else token_ids
+        embed = self.model.model.embed_tokens(ids)
         x = layer.eh_proj(torch.cat((layer.enorm(embed), layer.hnorm(hidden.to(embed.dtype))), -1))
         out, residual = layer(x, None, inputs.positions, ForwardContext(inputs.meta, self.backend))
         stream = out + residual
