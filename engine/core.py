@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import build_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.cuda_graphs import CPU_BUCKETS
 from engine.ep.experts import ExpertParallel
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
@@ -163,12 +164,18 @@ class EngineCore:
         one dry run of both inside ``parallel_builds``: the kernels either needs and
         nothing built yet are compiled at once, in one pool of processes (two sections
         each waited for a pool and its slowest kernel: the MLA decode kernel's ~32 s on an
-        H200). An expert-parallel rank does not warm up (its forwards need its whole
-        group), and its decode graphs only where its dispatcher can be captured."""
+        H200). On the CPU the decode graphs are programs of the C kernels' calls
+        (``engine.cuda_graphs``). An expert-parallel rank does not warm up (its forwards
+        need its whole group), and its decode graphs only where its dispatcher can be
+        captured (on the CPU, never)."""
         sched = self.config.scheduler
         steps = warm_up_steps(config.device, sched, self.max_model_len) if experts is None else ()
         graphs = pieces = None
-        if torch.device(config.device).type == "cuda" and not config.enforce_eager:
+        device = torch.device(config.device).type
+        if device == "cpu" and not config.enforce_eager and experts is None:
+            graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
+                                                       CPU_BUCKETS, capture=False)  # fmt: skip
+        if device == "cuda" and not config.enforce_eager:
             if experts is None or experts.dispatcher.capturable:
                 graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
                                                            capture=False)  # fmt: skip

@@ -20,6 +20,15 @@ eagerly.
 ``capture=False`` runs the same buffers and padding without a graph: the padded forward
 then also runs where CUDA graphs do not exist (the CPU), which is how the padding is
 tested there.
+
+On the CPU ``capture`` records programs instead: a decode step of a model whose layers
+run on the C kernels (``kernels.cpu``: quantized products, norms, RoPE, the KV store and
+attention) is, after the embedding, nothing but those kernels' calls over static
+buffers, so each bucket's calls are recorded once and replayed in one call
+(``CpuKernels.record``), without the ~6 ms of Python a SmolLM2-135M step spent between
+them on a 2-core CPU. A torch op that computes inside the recorded forward (a model or
+a weight format the kernels do not cover) refuses the recording, and so does a replay
+that does not reproduce the recorded forward's hidden states: that bucket runs eagerly.
 """
 
 from __future__ import annotations
@@ -32,15 +41,22 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.cpu_kernels import cpu_kernels
 from engine.models.base import CausalLM
+from engine.models.quant import decode_rows
 from engine.plan import ScheduledChunk
 from kernels import parallel_builds
+from kernels.cpu import Program, Recording
 
 log = logging.getLogger("ferry.cuda_graphs")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# on the CPU a padding row costs what a real one does in every product, and a program is
+# cheap to record: finer buckets
+CPU_BUCKETS = (*range(1, 9), 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256)
 NULL_SLOT = 0  # slot 0 of block 0, the null block: where padding rows write their KV
 
 
@@ -60,6 +76,10 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [size, V] float32, the graph's output
     hidden: torch.Tensor | None = None  # [size, H], the final hidden states it computed
+    program: Program | None = None  # on the CPU: the recorded kernel calls
+    embedded: torch.Tensor | None = None  # the program's input: the step's embeddings
+    keep: list[torch.Tensor] | None = None  # every tensor the program's calls point into
+    refused: str | None = None  # why its step could not be recorded
 
 
 class DecodeGraphs:
@@ -86,6 +106,7 @@ class DecodeGraphs:
         self._buckets = {b: self._allocate(b) for b in self.sizes}
         self.captured = False
         self._dry_ran = False
+        self._recorder = None  # on the CPU, once programs are checked: (kernels, embedding)
         # fills in tokens sampled by a step still running (ModelRunner.resolve_inputs)
         self.resolve_inputs = None
         if capture:
@@ -121,6 +142,17 @@ class DecodeGraphs:
         if bucket.graph is not None:
             bucket.graph.replay()
             return bucket.logits
+        if bucket.program is None and self._recorder is not None and bucket.refused is None:
+            bucket.refused = self._record(bucket, *self._recorder)  # this step, recorded
+            if bucket.refused is not None:
+                log.info("decode steps of %d rows run eagerly: %s", bucket.size, bucket.refused)
+            with torch.inference_mode():
+                return self.model.compute_logits(bucket.hidden)
+        if bucket.program is not None:
+            with torch.inference_mode():
+                bucket.embedded.copy_(self._embed(bucket.int64[0]))
+                bucket.program()
+                return self.model.compute_logits(bucket.hidden)
         bucket.hidden, logits = self._forward(bucket)
         return logits
 
@@ -183,7 +215,11 @@ class DecodeGraphs:
 
     def dry_run(self) -> None:
         """One forward of every bucket over padding, inside a ``parallel_builds`` section:
-        what asks for the kernels the graphs need, so that they are built at once."""
+        what asks for the kernels the graphs need, so that they are built at once (on the
+        CPU nothing is built: none)."""
+        self._dry_ran = True
+        if self.device.type == "cpu":
+            return
         for size in self.sizes:
             self._fill(self._buckets[size], [])
             self._forward(self._buckets[size])
@@ -196,6 +232,9 @@ class DecodeGraphs:
         on a new machine for deepseek-v3-4l, 138 of them building;
         bench/results/startup_h200_2aae27c.json); an engine's start-up has built them in
         the dry run it shares with its warm-up (``EngineCore``), and this one is skipped."""
+        if self.device.type == "cpu":
+            self._record_programs()
+            return
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
         start = time.perf_counter()
@@ -223,6 +262,99 @@ class DecodeGraphs:
             ",".join(map(str, self.sizes)),
             time.perf_counter() - start,
         )
+
+
+    # -- CPU programs ---------------------------------------------------------------------
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(ids)
+
+    def _record_programs(self) -> None:
+        """Record the smallest bucket's decode step as a program of kernel calls and check
+        that its replay reproduces it (module docstring); the other buckets are recorded
+        by their first step (``run``), which costs that step nothing more. A model whose
+        step cannot be replayed stays eager."""
+        start = time.perf_counter()
+        kernels = cpu_kernels()
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if kernels is None or embed is None:
+            log.info("decode steps run eagerly: no CPU kernels or no embedding to start from")
+            return
+        bucket = self._buckets[self.sizes[0]]
+        self._fill(bucket, [])  # all padding: writes only the null block
+        reason = self._record(bucket, kernels, embed, check=True)
+        if reason is not None:
+            log.info("decode steps run eagerly: %s", reason)
+            return
+        self.captured = True
+        self._recorder = (kernels, embed)
+        log.info("decode steps replay recorded kernel calls (%d a step; checked in %.2f s)",
+                 len(bucket.program), time.perf_counter() - start)  # fmt: skip
+
+    def _record(self, bucket: _Bucket, kernels, embed: torch.nn.Module,
+                check: bool = False) -> str | None:  # fmt: skip
+        """Record ``bucket``'s forward (over what its buffers hold) from its embeddings on,
+        leaving its hidden states in ``bucket.hidden``; ``check``: replay it once and
+        compare. None, or why it cannot be replayed."""
+        embedded = []
+
+        def started(module, args, out) -> None:
+            embedded.append(out)
+            rec.start()
+
+        with kernels.record() as rec, _KeepAllocations(rec) as keep:
+            handle = embed.register_forward_hook(started)
+            try:
+                with torch.inference_mode(), decode_rows(True):
+                    ctx = ForwardContext(bucket.meta, self.backend)
+                    hidden = self.model(bucket.int64[0], bucket.int64[1], ctx)
+            finally:
+                handle.remove()
+        bucket.hidden = hidden
+        if rec.refused is not None or not rec.calls:
+            return rec.refused or "no kernel calls"
+        bucket.program = kernels.program(rec)
+        bucket.embedded, bucket.keep = embedded[0], keep.tensors
+        if not check:
+            return None
+        expected = hidden.clone()
+        with torch.inference_mode():
+            bucket.embedded.copy_(self._embed(bucket.int64[0]))
+            bucket.program()
+        if not torch.equal(bucket.hidden, expected):
+            bucket.program = bucket.embedded = bucket.keep = None
+            return "its replay does not reproduce the forward"
+        return None
+
+
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default}  # fmt: skip
+
+
+class _KeepAllocations(TorchDispatchMode):
+    """While a CPU program records: keeps every tensor allocated once it has started (its
+    calls point into them), and refuses the recording at the first torch op that
+    computes anything (a program replays the kernels' calls only)."""
+
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.rec.active:
+            return out
+        if func in _ALLOCATIONS:
+            self.tensors.append(out)
+        elif not _is_view(func):
+            self.rec.refuse(f"torch computes {func} between the kernels")
+        return out
+
+
+def _is_view(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
 
 
 def _copy_in(dst: torch.Tensor, host: np.ndarray) -> None:

@@ -376,3 +376,49 @@ void ferry_decode_attention(const float *q, int64_t q_stride, int64_t B, int64_t
         free(scores);
     }
 }
+
+/* A decode step's kernel calls, recorded once and replayed in one call from Python
+ * (kernels/cpu.py, CpuKernels.record): each call is a function id, its integer and
+ * pointer arguments in order, and its float arguments in order. */
+enum { FERRY_QGEMM, FERRY_RMS_NORM, FERRY_ROPE, FERRY_STORE_KV, FERRY_DECODE_ATTENTION };
+
+typedef struct {
+    int64_t fn;
+    int64_t i[14];
+    float f[2];
+} ferry_call;
+
+int ferry_replay(const ferry_call *calls, int64_t n) {
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t *a = calls[k].i;
+        const float *f = calls[k].f;
+        switch (calls[k].fn) {
+        case FERRY_QGEMM:
+            if (ferry_qgemm((int)a[0], (const float *)a[1], a[2], a[3], (int)a[4],
+                            (const void *)a[5], a[6], (const float *)a[7], (float *)a[8],
+                            (int)a[9]))
+                return 1;
+            break;
+        case FERRY_RMS_NORM:
+            ferry_rms_norm((float *)a[0], (float *)a[1], (const float *)a[2], f[0], a[3], a[4],
+                           (float *)a[5]);
+            break;
+        case FERRY_ROPE:
+            ferry_rope((float *)a[0], a[1], a[2], a[3], a[4], (const int64_t *)a[5],
+                       (const float *)a[6]);
+            break;
+        case FERRY_STORE_KV:
+            ferry_store_kv((const float *)a[0], a[1], a[2], a[3], (float *)a[4],
+                           (const int64_t *)a[5]);
+            break;
+        case FERRY_DECODE_ATTENTION:
+            ferry_decode_attention((const float *)a[0], a[1], a[2], a[3], a[4], a[5],
+                                   (const float *)a[6], a[7], (const int32_t *)a[8], a[9],
+                                   (const int32_t *)a[10], f[0], (float *)a[11], (int)a[12]);
+            break;
+        default:
+            return 2;
+        }
+    }
+    return 0;
+}

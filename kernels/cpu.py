@@ -19,6 +19,7 @@ runtime torch's CPU wheel itself loads, so kernels and torch share one thread po
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -26,6 +27,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,9 +71,46 @@ class CpuKernels:
             fn.argtypes, fn.restype = args, None
         lib.ferry_qgemm.restype = i32
         lib.ferry_simd.restype = i32
+        lib.ferry_replay.argtypes, lib.ferry_replay.restype = [ptr, i64], i32
         self._lib = lib
+        self._signatures = signatures
+        self._recording: Recording | None = None
         self.path = path
         self.simd = "avx2" if lib.ferry_simd() == 2 else "portable"
+
+    # ---- recording ----------------------------------------------------------------------
+
+    def _call(self, name: str, *args: object) -> object:
+        rec = self._recording
+        if rec is not None and rec.active:
+            if name in _REPLAYED:
+                rec.calls.append((name, args))
+            else:
+                rec.refuse(f"{name} is not replayed")
+        return getattr(self._lib, name)(*args)
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[Recording]:
+        """Record the calls made from ``Recording.start`` on (they run as well) for
+        ``program``. The recorded pointers must stay valid and hold the same kind of
+        data at every replay: the caller keeps every tensor they point into."""
+        rec = self._recording = Recording()
+        try:
+            yield rec
+        finally:
+            self._recording = None
+
+    def program(self, rec: Recording) -> Program:
+        """The recorded calls, replayed in one call."""
+        calls = (_Call * len(rec.calls))()
+        for call, (name, args) in zip(calls, rec.calls):
+            ints = [0 if a is None else int(a) for a, t in zip(args, self._signatures[name])
+                    if t is not ctypes.c_float]  # fmt: skip
+            floats = [float(a) for a, t in zip(args, self._signatures[name]) if t is ctypes.c_float]
+            call.fn = _REPLAYED[name]
+            call.i[: len(ints)] = ints
+            call.f[: len(floats)] = floats
+        return Program(self._lib, calls)
 
     # ---- weight products ----------------------------------------------------------------
 
@@ -91,7 +131,8 @@ class CpuKernels:
         if bias is not None:
             _check(bias, torch.float32, "qgemm bias")
         y = torch.empty(m, weight.n, dtype=torch.float32)
-        failed = self._lib.ferry_qgemm(
+        failed = self._call(
+            "ferry_qgemm",
             weight.kind, x.data_ptr(), m, k, int(gated), weight.data.data_ptr(), weight.n,
             _ptr(bias), y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
@@ -103,7 +144,8 @@ class CpuKernels:
         """The weights as float32 ``[n, k]`` (the values of ``cpu_quant.dequantize_ref``)."""
         _check(weight.data, torch.uint8, "dequantize blocks")
         out = torch.empty(weight.n, weight.k, dtype=torch.float32)
-        self._lib.ferry_dequantize(
+        self._call(
+            "ferry_dequantize",
             weight.kind, weight.data.data_ptr(), weight.n, weight.k, out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -128,7 +170,8 @@ class CpuKernels:
                 raise ValueError("rms_norm: residual and x differ in shape")
         d = x.shape[-1]
         out = torch.empty_like(x)
-        self._lib.ferry_rms_norm(
+        self._call(
+            "ferry_rms_norm",
             x.data_ptr(), _ptr(residual), weight.data_ptr(), eps, x.numel() // d, d,
             out.data_ptr(),
         )  # fmt: skip
@@ -149,7 +192,8 @@ class CpuKernels:
             raise ValueError("rope: x must be float32 [T, H, D] with contiguous heads")
         _check(positions, torch.int64, "rope positions")
         _check(cos_sin, torch.float32, "rope cos_sin")
-        self._lib.ferry_rope(
+        self._call(
+            "ferry_rope",
             x.data_ptr(), t, x.stride(0), heads, d, positions.data_ptr(), cos_sin.data_ptr()
         )
 
@@ -162,7 +206,8 @@ class CpuKernels:
         _check(slots, torch.int64, "store_kv slots")
         if cache.shape[-1] != width:
             raise ValueError(f"store_kv: cache rows of {cache.shape[-1]}, kv rows of {width}")
-        self._lib.ferry_store_kv(
+        self._call(
+            "ferry_store_kv",
             kv.data_ptr(), t, kv.stride(0), width, cache.data_ptr(), slots.data_ptr()
         )
 
@@ -186,12 +231,53 @@ class CpuKernels:
         if cache.shape[-1] != 2 * num_kv_heads * d or heads % num_kv_heads:
             raise ValueError("decode_attention: cache rows do not match the heads")
         out = torch.empty(b, heads, d, dtype=torch.float32)
-        self._lib.ferry_decode_attention(
+        self._call(
+            "ferry_decode_attention",
             q.data_ptr(), q.stride(0), b, heads, num_kv_heads, d, cache.data_ptr(),
             cache.shape[1], block_tables.data_ptr(), block_tables.shape[1],
             seq_lens.data_ptr(), scale, out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+# the calls a program replays, by their id in cpu.c's ferry_replay
+_REPLAYED = {"ferry_qgemm": 0, "ferry_rms_norm": 1, "ferry_rope": 2, "ferry_store_kv": 3,
+             "ferry_decode_attention": 4}  # fmt: skip
+
+
+class _Call(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_int64), ("i", ctypes.c_int64 * 14), ("f", ctypes.c_float * 2)]
+
+
+@dataclass
+class Recording:
+    """The kernel calls of a forward from ``start`` on (``CpuKernels.record``), or why
+    they cannot be replayed (``refused``)."""
+
+    calls: list[tuple[str, tuple]] = field(default_factory=list)
+    active: bool = False
+    refused: str | None = None
+
+    def start(self) -> None:
+        self.active = True
+
+    def refuse(self, reason: str) -> None:
+        self.refused = self.refused or reason
+
+
+class Program:
+    """Recorded kernel calls replayed in one call (no Python between them)."""
+
+    def __init__(self, lib: ctypes.CDLL, calls: ctypes.Array) -> None:
+        self._lib, self._calls = lib, calls
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def __call__(self) -> None:
+        status = self._lib.ferry_replay(ctypes.addressof(self._calls), len(self._calls))
+        if status:
+            raise MemoryError("a replayed kernel found no memory for its activations")
 
 
 def _flags() -> list[str]:
