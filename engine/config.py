@@ -549,7 +549,8 @@ class EngineConfig:
     cpu_weights: str = "auto"
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
-    enforce_eager: bool = False  # on CUDA: no CUDA graphs, every step runs eagerly
+    # no CUDA graphs (CUDA) or recorded decode programs (CPU): every step runs eagerly
+    enforce_eager: bool = False
     # on CUDA: steps with prompt tokens, up to this many tokens (and the step's token
     # budget), replay graph pieces between eager attentions (engine.piecewise_graphs); 0: eager
     piecewise_graph_tokens: int = 512

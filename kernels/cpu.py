@@ -15,6 +15,10 @@ where the CPU has them, portable C elsewhere) into ``build_dir``, keyed by the s
 the flags and the compiler, and returns None with a warning when there is no compiler or
 it fails; callers then stay on torch ops. OpenMP threads come from ``libgomp.so.1``, the
 runtime torch's CPU wheel itself loads, so kernels and torch share one thread pool.
+
+``record`` notes the calls made through it (and makes them); ``program`` turns them into
+one ``ferry_replay`` call that makes them again with the same arguments, without Python in
+between: a decode step's layers replayed (``engine.cuda_graphs``).
 """
 
 from __future__ import annotations

@@ -267,7 +267,8 @@ def add_engine_flags(p: Any) -> None:
                         default=None, help="plan each step while the previous one runs "
                         "(default: on CUDA)")
     engine.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="CUDA: no CUDA graphs, run every step eagerly")
+                        help="no CUDA graphs (CUDA) or recorded decode programs (CPU): "
+                             "run every step eagerly")
     engine.add_argument("--piecewise-graph-tokens", type=int_at_least(0), metavar="N",
                         help="CUDA: steps with prompt tokens of up to N tokens replay CUDA "
                              "graphs between eager attentions; 0: eagerly (default: "
