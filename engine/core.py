@@ -172,14 +172,15 @@ class EngineCore:
         steps = warm_up_steps(config.device, sched, self.max_model_len) if experts is None else ()
         graphs = pieces = None
         device = torch.device(config.device).type
-        if device == "cpu" and not config.enforce_eager and experts is None:
+        decodes = self.scheduler.decodes  # a prefill worker's steps are never decode steps
+        if device == "cpu" and not config.enforce_eager and experts is None and decodes:
             graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
                                                        CPU_BUCKETS, capture=False)  # fmt: skip
         if device == "cuda" and not config.enforce_eager:
-            if experts is None or experts.dispatcher.capturable:
+            if decodes and (experts is None or experts.dispatcher.capturable):
                 graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
                                                            capture=False)  # fmt: skip
-            else:
+            elif decodes:
                 log.info("decode steps run eagerly: the %s cannot be captured",
                          type(experts.dispatcher).__name__)  # fmt: skip
             tokens = min(config.piecewise_graph_tokens, sched.max_num_batched_tokens)

@@ -35,6 +35,7 @@ PREFILLED = "prefilled"
 class PrefillScheduler(Scheduler):
     overlappable = False  # a request's blocks are shipped as soon as its step has run
     drafts = False  # every request ends at its first token
+    decodes = False  # ... sampled by its last prompt chunk: no decode step ever runs
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

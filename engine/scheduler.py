@@ -39,6 +39,7 @@ class Scheduler:
     # whether the next step may be planned before this one's tokens are known (engine.core)
     overlappable = True
     drafts = True  # whether its requests decode here, so that speculation can help them
+    decodes = True  # whether decode steps run here (their CUDA graphs or CPU programs pay)
 
     def __init__(
         self,

@@ -85,3 +85,11 @@ def test_the_default_engine_records_its_decode_steps_and_generates_as_eager():
     eager = LLM(EngineConfig(enforce_eager=True))
     assert eager.core.runner.graphs is None
     assert ours == [r.token_ids for r in eager.generate(batch, greedy)]
+
+
+def test_a_prefill_worker_records_no_decode_program():
+    """Its requests end at the token their last prompt chunk samples: no decode step."""
+    from engine.core import EngineCore
+    from engine.pd_scheduler import PrefillScheduler
+
+    assert EngineCore(EngineConfig(), scheduler_cls=PrefillScheduler).runner.graphs is None
