@@ -82,7 +82,42 @@ class _Bucket:
     refused: str | None = None  # why its step could not be recorded
 
 
-class DecodeGraphs:
+class Buckets:
+    """What every kind of padded step shares: the model and attention backend it runs,
+    its bucket sizes (ascending; the last is the largest step it takes), the smallest
+    bucket that holds a step, and whether its buckets are captured (until then they run
+    eagerly)."""
+
+    def __init__(self, model: CausalLM, backend, sizes: tuple[int, ...]) -> None:
+        self.model = model
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self.sizes = sizes
+        self.captured = False
+        self._dry_ran = False
+
+    @property
+    def largest(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, size: int) -> int:
+        return next(b for b in self.sizes if b >= size)
+
+    def dry_run(self) -> None:
+        raise NotImplementedError
+
+    def _capture_pool(self):
+        """Before capturing on CUDA: the kernels built (one dry run, unless the engine's
+        start-up ran it), and the memory pool every bucket's graphs share."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
+        if not self._dry_ran:
+            with parallel_builds():
+                self.dry_run()
+        return torch.cuda.graph_pool_handle()
+
+
+class DecodeGraphs(Buckets):
     """Static buffers and captured graphs for decode steps of up to ``max_batch`` sequences
     whose contexts fit ``max_seq_len`` tokens."""
 
@@ -96,38 +131,26 @@ class DecodeGraphs:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         capture: bool = True,
     ) -> None:
-        self.model = model
-        self.backend = backend
+        super().__init__(model, backend, batch_buckets(max_batch, buckets))
         self.block_size = block_size
         self.max_seq_len = max_seq_len
         self.max_blocks = math.ceil(max_seq_len / block_size)
-        self.device = next(model.parameters()).device
-        self.sizes = batch_buckets(max_batch, buckets)
         self._buckets = {b: self._allocate(b) for b in self.sizes}
-        self.captured = False
-        self._dry_ran = False
         self._recorder = None  # on the CPU, once programs are checked: (kernels, embedding)
         # fills in tokens sampled by a step still running (ModelRunner.resolve_inputs)
         self.resolve_inputs = None
         if capture:
             self.capture()
 
-    @property
-    def max_batch(self) -> int:
-        return self.sizes[-1]
-
     def accepts(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """True when this step can replay a graph: one token per sequence, and the batch
         and every context fit the buffers."""
         return (
-            0 < len(chunks) <= self.max_batch
+            0 < len(chunks) <= self.largest
             and all(c.num_tokens == 1 for c in chunks)
             and max(c.end_pos for c in chunks) <= self.max_seq_len
             and max(len(c.block_ids) for c in chunks) <= self.max_blocks
         )
-
-    def bucket_for(self, batch: int) -> int:
-        return next(b for b in self.sizes if b >= batch)
 
     def run(
         self, chunks: Sequence[ScheduledChunk], offsets: Sequence[int] | None = None
@@ -235,13 +258,8 @@ class DecodeGraphs:
         if self.device.type == "cpu":
             self._record_programs()
             return
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
         start = time.perf_counter()
-        if not self._dry_ran:
-            with parallel_builds():
-                self.dry_run()
-        pool = torch.cuda.graph_pool_handle()
+        pool = self._capture_pool()
         for size in reversed(self.sizes):
             bucket = self._buckets[size]
             self._fill(bucket, [])  # all padding: writes only the null block

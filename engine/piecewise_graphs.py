@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, MLABackend
+from engine.cuda_graphs import Buckets
 from engine.models.base import CausalLM
-from kernels import parallel_builds
 
 log = logging.getLogger("ferry.cuda_graphs")
 
@@ -98,7 +98,7 @@ class _PieceContext(ForwardContext):
         return owner.out[:size]
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(Buckets):
     """Static buffers and per-bucket graph pieces for steps of up to ``max_tokens``
     tokens (module docstring)."""
 
@@ -110,12 +110,10 @@ class PiecewiseGraphs:
         buckets: Sequence[int] = TOKEN_BUCKETS,
         capture: bool = True,
     ) -> None:
-        self.model = model
-        self.backend = backend
-        self.device = next(model.parameters()).device
-        self.sizes = token_buckets(max_tokens, buckets)
-        if not self.sizes:
+        sizes = token_buckets(max_tokens, buckets)
+        if not sizes:
             raise ValueError("piecewise graphs need a positive token count")
+        super().__init__(model, backend, sizes)
         self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
         self.positions = torch.zeros_like(self.ids)
         self.staged: list[torch.Tensor] = []  # each attention input, [max_tokens, ...]
@@ -123,20 +121,15 @@ class PiecewiseGraphs:
         self.pool = None
         self._pieces: dict[int, list[_Cut]] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # each bucket's final hidden states
-        self.captured = False
-        self._dry_ran = False
         if capture:
             self.capture()
 
     @property
     def max_tokens(self) -> int:
-        return self.sizes[-1]
+        return self.largest
 
     def accepts(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_tokens
-
-    def bucket_for(self, num_tokens: int) -> int:
-        return next(b for b in self.sizes if b >= num_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
@@ -206,13 +199,8 @@ class PiecewiseGraphs:
         """Capture every bucket, largest first, all pieces in one memory pool (until now
         the buckets ran eagerly). A bucket that fails to capture leaves every bucket
         eager, with a warning."""
-        if self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model, not {self.device}")
         start = time.perf_counter()
-        if not self._dry_ran:
-            with parallel_builds():
-                self.dry_run()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = self._capture_pool()
         try:
             for size in reversed(self.sizes):
                 self._capture(size)
