@@ -54,7 +54,7 @@ def plot_pareto(ax, points: list[Point], load_kind: str, label: str) -> None:
     ax.set_ylabel("total output throughput (tok/s)")
     ax.set_title("Throughput vs interactivity")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right", fontsize=8)  # the front runs from top left to bottom right
 
 
 def plot_percentiles(ax, points: list[Point], load_kind: str, key: str, name: str) -> None:
