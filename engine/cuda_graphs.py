@@ -321,13 +321,15 @@ class DecodeGraphs(Buckets):
             rec.start()
 
         with kernels.record() as rec, _KeepAllocations(rec) as keep:
-            handle = embed.register_forward_hook(started)
+            handles = (embed.register_forward_pre_hook(lambda module, args: keep.embedding()),
+                       embed.register_forward_hook(started))  # fmt: skip
             try:
                 with torch.inference_mode(), decode_rows(True):
                     ctx = ForwardContext(bucket.meta, self.backend)
                     hidden = self.model(bucket.int64[0], bucket.int64[1], ctx)
             finally:
-                handle.remove()
+                for handle in handles:
+                    handle.remove()
         bucket.hidden = hidden
         if rec.refused is not None or not rec.calls:
             return rec.refused or "no kernel calls"
@@ -352,16 +354,24 @@ _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.de
 class _KeepAllocations(TorchDispatchMode):
     """While a CPU program records: keeps every tensor allocated once it has started (its
     calls point into them), and refuses the recording at the first torch op that
-    computes anything (a program replays the kernels' calls only)."""
+    computes anything outside the embedding (a program replays the kernels' calls only;
+    a replay runs the embedding itself, and nothing the forward computes before it)."""
 
     def __init__(self, rec: Recording) -> None:
         super().__init__()
         self.rec = rec
         self.tensors: list[torch.Tensor] = []
+        self._embedding = False
+
+    def embedding(self) -> None:
+        """The embedding starts: what it computes is the replay's own work."""
+        self._embedding = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.rec.active:
+            if not self._embedding and func not in _ALLOCATIONS and not _is_view(func):
+                self.rec.refuse(f"torch computes {func} before the embedding")
             return out
         if func in _ALLOCATIONS:
             self.tensors.append(out)

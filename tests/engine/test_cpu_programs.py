@@ -72,6 +72,13 @@ def test_a_recording_keeps_its_allocations_and_refuses_torch_arithmetic():
     assert [t.data_ptr() for t in keep.tensors][:1] == [buffer.data_ptr()]
     assert before.data_ptr() not in [t.data_ptr() for t in keep.tensors]
     assert rec.refused is not None and "ones" in rec.refused
+    with kernels.record() as rec, _KeepAllocations(rec) as keep:
+        torch.ones(2) * 2  # before the embedding: a replay would not compute it again
+    assert rec.refused is not None and "before the embedding" in rec.refused
+    with kernels.record() as rec, _KeepAllocations(rec) as keep:
+        keep.embedding()
+        torch.ones(2) * 2  # the embedding's own work, which a replay runs itself
+    assert rec.refused is None
 
 
 def test_the_default_engine_records_its_decode_steps_and_generates_as_eager():
