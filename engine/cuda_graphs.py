@@ -165,19 +165,17 @@ class DecodeGraphs(Buckets):
         if bucket.graph is not None:
             bucket.graph.replay()
             return bucket.logits
-        if bucket.program is None and self._recorder is not None and bucket.refused is None:
+        if bucket.program is not None:
+            self._replay(bucket, self._recorder[1])
+        elif self._recorder is not None and bucket.refused is None:
             bucket.refused = self._record(bucket, *self._recorder)  # this step, recorded
             if bucket.refused is not None:
                 log.info("decode steps of %d rows run eagerly: %s", bucket.size, bucket.refused)
-            with torch.inference_mode():
-                return self.model.compute_logits(bucket.hidden)
-        if bucket.program is not None:
-            with torch.inference_mode():
-                bucket.embedded.copy_(self._embed(bucket.int64[0]))
-                bucket.program()
-                return self.model.compute_logits(bucket.hidden)
-        bucket.hidden, logits = self._forward(bucket)
-        return logits
+        else:
+            bucket.hidden, logits = self._forward(bucket)
+            return logits
+        with torch.inference_mode():
+            return self.model.compute_logits(bucket.hidden)
 
     def hidden(self, n: int) -> torch.Tensor:
         """The final hidden states of the first ``n`` rows of the last ``run`` (the
@@ -284,8 +282,13 @@ class DecodeGraphs(Buckets):
 
     # -- CPU programs ---------------------------------------------------------------------
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(ids)
+    @staticmethod
+    def _replay(bucket: _Bucket, embed: torch.nn.Module) -> None:
+        """The step's embeddings into the program's input, then the program: the step's
+        hidden states in ``bucket.hidden``."""
+        with torch.inference_mode():
+            bucket.embedded.copy_(embed(bucket.int64[0]))
+            bucket.program()
 
     def _record_programs(self) -> None:
         """Record the smallest bucket's decode step as a program of kernel calls and check
@@ -338,9 +341,7 @@ class DecodeGraphs(Buckets):
         if not check:
             return None
         expected = hidden.clone()
-        with torch.inference_mode():
-            bucket.embedded.copy_(self._embed(bucket.int64[0]))
-            bucket.program()
+        self._replay(bucket, embed)
         if not torch.equal(bucket.hidden, expected):
             bucket.program = bucket.embedded = bucket.keep = None
             return "its replay does not reproduce the forward"

@@ -59,7 +59,7 @@ class _Cut:
     """Where a piece ends: layer ``layer``'s attention (None: the forward's end), with the
     weight an MLA attention takes (``kv_b``)."""
 
-    graph: torch.cuda.CUDAGraph | None
+    graph: torch.cuda.CUDAGraph
     layer: int | None = None
     kv_b: torch.Tensor | None = None
 
@@ -89,7 +89,6 @@ class _PieceContext(ForwardContext):
             owner.attend(layer, kv_b, self.rows, self.meta)
         else:
             cut = self.capturing[-1]
-            assert cut.graph is not None
             cut.graph.capture_end()
             cut.layer, cut.kv_b = layer, kv_b
             graph = torch.cuda.CUDAGraph()
@@ -114,7 +113,7 @@ class PiecewiseGraphs(Buckets):
         if not sizes:
             raise ValueError("piecewise graphs need a positive token count")
         super().__init__(model, backend, sizes)
-        self.ids = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
+        self.ids = torch.zeros(self.largest, dtype=torch.long, device=self.device)
         self.positions = torch.zeros_like(self.ids)
         self.staged: list[torch.Tensor] = []  # each attention input, [max_tokens, ...]
         self.out = torch.empty(0)  # the attention's output, [max_tokens, ...]
@@ -124,12 +123,8 @@ class PiecewiseGraphs(Buckets):
         if capture:
             self.capture()
 
-    @property
-    def max_tokens(self) -> int:
-        return self.largest
-
     def accepts(self, num_tokens: int) -> bool:
-        return 0 < num_tokens <= self.max_tokens
+        return 0 < num_tokens <= self.largest
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
@@ -143,7 +138,6 @@ class PiecewiseGraphs(Buckets):
         if pieces is None:
             return self._forward(size, n, meta)[:n]
         for cut in pieces:
-            assert cut.graph is not None
             cut.graph.replay()
             if cut.layer is not None:
                 self.attend(cut.layer, cut.kv_b, n, meta)
@@ -155,7 +149,7 @@ class PiecewiseGraphs(Buckets):
         """Copy an attention's inputs into the static buffers (allocated at the first
         call, which is a forward of the largest bucket)."""
         if not self.staged:
-            self.staged = [torch.zeros(self.max_tokens, *t.shape[1:], dtype=t.dtype,
+            self.staged = [torch.zeros(self.largest, *t.shape[1:], dtype=t.dtype,
                                        device=self.device) for t in inputs]  # fmt: skip
         for buffer, t in zip(self.staged, inputs):
             buffer[: t.shape[0]].copy_(t)
@@ -168,16 +162,19 @@ class PiecewiseGraphs(Buckets):
             result = self.backend.forward(layer, *inputs, meta)
         else:
             result = self.backend.forward(layer, *inputs, kv_b, meta)
-        if self.out.shape[0] != self.max_tokens:
-            self.out = torch.zeros(self.max_tokens, *result.shape[1:], dtype=result.dtype,
+        if self.out.shape[0] != self.largest:
+            self.out = torch.zeros(self.largest, *result.shape[1:], dtype=result.dtype,
                                    device=self.device)  # fmt: skip
         self.out[:rows].copy_(result)
 
     # -- the forward and its capture --------------------------------------------------------
 
-    def _forward(self, size: int, rows: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, size: int, rows: int, meta: AttentionMetadata,
+                 capturing: list[_Cut] | None = None) -> torch.Tensor:  # fmt: skip
+        """The bucket's forward over its buffers, attending over ``rows`` real rows (or
+        cut into the graphs ``capturing`` holds)."""
         with torch.inference_mode():
-            ctx = _PieceContext(self, meta, rows)
+            ctx = _PieceContext(self, meta, rows, capturing)
             return self.model(self.ids[:size], self.positions[:size], ctx)
 
     def _padding(self, size: int) -> AttentionMetadata:
@@ -213,7 +210,7 @@ class PiecewiseGraphs(Buckets):
         torch.cuda.synchronize()
         self.captured = True
         log.info("captured prefill/mixed step graphs for %s tokens, %d pieces each, in %.1f s",
-                 ",".join(map(str, self.sizes)), len(self._pieces[self.max_tokens]),
+                 ",".join(map(str, self.sizes)), len(self._pieces[self.largest]),
                  time.perf_counter() - start)  # fmt: skip
 
     def _capture(self, size: int) -> None:
@@ -228,13 +225,9 @@ class PiecewiseGraphs(Buckets):
             pieces = [_Cut(first)]
             first.capture_begin(pool=self.pool)
             try:
-                with torch.inference_mode():
-                    ctx = _PieceContext(self, meta, size, capturing=pieces)
-                    hidden = self.model(self.ids[:size], self.positions[:size], ctx)
+                hidden = self._forward(size, size, meta, capturing=pieces)
             finally:
-                last = pieces[-1].graph
-                assert last is not None
-                last.capture_end()
+                pieces[-1].graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self._pieces[size] = pieces
         self._hidden[size] = hidden
