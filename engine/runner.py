@@ -72,7 +72,7 @@ from engine.sampler import (
     SamplingRow,
     VerifiedTokens,
 )
-from engine.spec.base import Drafter, DraftRequest, DraftStep, Proposal
+from engine.spec.base import Drafter, Drafting, DraftRequest, DraftStep, LaunchStep, Proposal
 from engine.structured import GrammarState, build_draft_mask, build_mask
 from kernels import parallel_builds
 
@@ -191,6 +191,7 @@ class _Launched:
     verified: VerifiedTokens | None
     hidden: torch.Tensor | None  # the step's hidden states, when the drafter wants them
     clock: _Clock
+    drafting: Drafting | None = None  # drafts queued behind the step (``Drafter.on_device``)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -274,10 +275,15 @@ class ModelRunner:
             clock.mark()
             launched = self._sample_and_verify(plan, logits, hidden, clock)
             clock.mark()
+            for tokens in (launched.plain, launched.verified):
+                if tokens is not None:
+                    tokens.start_copy()  # before the drafting: read back without waiting for it
+            if self.drafter is not None and self.drafter.on_device:
+                launched.drafting = self._launch_drafts(launched)
+                clock.mark()
         if launched.plain is not None:
             self._last = ({rid: i for i, rid in enumerate(launched.plain_ids)},
                           launched.plain.tokens)  # fmt: skip
-            launched.plain.start_copy()
         return launched
 
     def finish(self, launched: _Launched | None) -> StepResult:
@@ -306,9 +312,14 @@ class ModelRunner:
         }
         ended = self._record(emitted)
         start = time.perf_counter()
-        proposals = self._propose(launched, emitted, ended)
+        if launched.drafting is not None:
+            proposals = self._collect_drafts(launched.drafting, ended)
+        else:
+            proposals = self._propose(launched, emitted, ended)
         draft_s = time.perf_counter() - start
-        forward_s, sample_s = launched.clock.spans()
+        forward_s, sample_s, *drafting = launched.clock.spans()
+        if drafting:  # drafted on the device: its time there, not the wait for it
+            draft_s = drafting[0]
         return StepResult(
             {rid: tokens[-1] for rid, tokens in emitted.items()},
             {rid: lps[: len(emitted[rid])] for rid, lps in logprobs.items()},
@@ -528,13 +539,18 @@ class ModelRunner:
             if state is None or chunk.request_id in ended:
                 continue
             sp = state.new.sampling
-            room = min(self.drafter.max_draft, sp.max_tokens - len(state.output_token_ids) - 1)
+            room = self._room(state)
             if self.proposes and launched.plan.propose and sp.speculative and room > 0:
                 requests.append(DraftRequest(chunk.request_id, token_ids[-1],
                                              chunk.block_ids, room))  # fmt: skip
         step = DraftStep(chunks, num_real, token_ids, requests, launched.hidden)
         with torch.inference_mode():
             proposals = self.drafter.propose(step)
+        return self._within_grammars(proposals)
+
+    def _within_grammars(self, proposals: dict[str, Proposal]) -> dict[str, Proposal]:
+        """The proposals with drafts, each cut where its request's grammar would reject
+        one."""
         out = {}
         for rid, proposal in proposals.items():
             grammar = self.states[rid].grammar
@@ -545,6 +561,74 @@ class ModelRunner:
             if proposal.token_ids:
                 out[rid] = proposal
         return out
+
+    def _room(self, state: _RowState) -> int:
+        """Drafts a request may verify after its tokens so far: all kept, plus the token
+        sampled after them, stay within its max_tokens."""
+        assert self.drafter is not None
+        left = state.new.sampling.max_tokens - len(state.output_token_ids) - 1
+        return min(self.drafter.max_draft, left)
+
+    def _launch_drafts(self, launched: _Launched) -> Drafting:
+        """Queue an ``on_device`` drafter's drafts behind the step (``LaunchStep``): every
+        sampling chunk's request that may verify drafts next drafts, as far as its room
+        allows before this step's tokens (the proposal is cut to the room they leave)."""
+        assert self.drafter is not None and launched.hidden is not None
+        plan, chunks = launched.plan, launched.plan.chunks
+        next_ids = np.zeros(sum(c.num_tokens for c in chunks), dtype=np.int64)
+        sampled_rows: list[int] = []  # the plain chunks' last rows, then the verified rows
+        verified_rows: list[int] = []
+        requests, last_rows, num_draft, bounds, group_of = [], [], [], [], []
+        groups = {rid: g for g, rid in enumerate(launched.verify_ids)}
+        first = 0
+        for chunk in chunks:
+            n, state = chunk.num_tokens, self.states.get(chunk.request_id)
+            next_ids[first : first + n - 1] = chunk.token_ids[1:]
+            last = first + n - 1 - chunk.num_draft  # the chunk's input token's row
+            if not chunk.sample:
+                known = state.token_ids() if state is not None else []
+                next_ids[first + n - 1] = known[chunk.end_pos] if chunk.end_pos < len(known) else 0
+            elif chunk.num_draft:
+                verified_rows += range(last, first + n)
+            else:
+                sampled_rows.append(last)
+            if (chunk.sample and state is not None and self.proposes and plan.propose
+                    and state.new.sampling.speculative and self._room(state) > 0):  # fmt: skip
+                requests.append(DraftRequest(chunk.request_id, (), chunk.block_ids,
+                                             self._room(state)))  # fmt: skip
+                last_rows.append(last)
+                num_draft.append(chunk.num_draft)
+                bounds.append(chunk.end_pos)
+                group_of.append(groups.get(chunk.request_id, -1))
+            first += n
+        device = self.device
+        ids = host_to_device(np.maximum(next_ids, 0), device)  # UNRESOLVED: from the device
+        if launched.plain is not None:
+            ids[_rows(sampled_rows, device)] = launched.plain.tokens
+        kept = torch.zeros(len(requests), dtype=torch.long, device=device)
+        if launched.verified is not None:
+            ids[_rows(verified_rows, device)] = launched.verified.tokens
+            which = [j for j, g in enumerate(group_of) if g >= 0]
+            if which:
+                kept[_rows(which, device)] = launched.verified.kept[
+                    _rows([group_of[j] for j in which], device)]  # fmt: skip
+        step = LaunchStep(chunks, launched.hidden, ids, requests,
+                          _rows(last_rows, device) + kept, _rows(num_draft, device) - kept,
+                          bounds)  # fmt: skip
+        return self.drafter.launch(step)
+
+    def _collect_drafts(self, drafting: Drafting, ended: frozenset[str]) -> dict[str, Proposal]:
+        """The proposals of drafts made on the device, for the requests that go on, each
+        cut to the room its tokens left it and where its grammar would reject a draft."""
+        proposals = {}
+        for rid, (tokens, conf) in drafting.to_host().items():
+            state = self.states.get(rid)
+            if state is None or rid in ended:
+                continue
+            room = self._room(state)
+            if room > 0:
+                proposals[rid] = Proposal(len(state.token_ids()), tokens[:room], conf[:room])
+        return self._within_grammars(proposals)
 
     def _sync_states(self, plan: StepPlan) -> None:
         for rid in plan.finished_ids:

@@ -127,18 +127,9 @@ class SampledTokens:
     def start_copy(self) -> None:
         """Queue the copy to the host right behind this step's work (on CUDA), so that
         ``to_host`` waits for this step only, not for a next step queued after it."""
-        if not self.tokens.is_cuda:
-            return
-        lp = self.logprobs
-        if lp is not None:
-            lp = dataclasses.replace(
-                lp, chosen=_pinned_copy(lp.chosen), picked=_pinned_copy(lp.picked),
-                top_values=None if lp.top_values is None else _pinned_copy(lp.top_values),
-                top_ids=None if lp.top_ids is None else _pinned_copy(lp.top_ids),
-            )  # fmt: skip
-        self._host = (_pinned_copy(self.tokens), lp)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
+        if self.tokens.is_cuda:
+            self._host = (pinned_copy(self.tokens), _pinned_logprobs(self.logprobs))
+            self._ready = _recorded()
 
     def to_host(self) -> SamplerOutput:
         tokens, logprobs = self.tokens, self.logprobs
@@ -151,10 +142,28 @@ class SampledTokens:
         return SamplerOutput(token_ids, logprobs.to_host(len(token_ids)))
 
 
-def _pinned_copy(device: torch.Tensor) -> torch.Tensor:
+def pinned_copy(device: torch.Tensor) -> torch.Tensor:
+    """A copy of ``device`` in pinned host memory, queued without waiting."""
     host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
     host.copy_(device, non_blocking=True)
     return host
+
+
+def _pinned_logprobs(lp: _DeviceLogprobs | None) -> _DeviceLogprobs | None:
+    if lp is None:
+        return None
+    return dataclasses.replace(
+        lp, chosen=pinned_copy(lp.chosen), picked=pinned_copy(lp.picked),
+        top_values=None if lp.top_values is None else pinned_copy(lp.top_values),
+        top_ids=None if lp.top_ids is None else pinned_copy(lp.top_ids),
+    )  # fmt: skip
+
+
+def _recorded() -> torch.cuda.Event:
+    """An event recorded on the current stream: what the copies queued so far wait for."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class Sampler:
@@ -292,12 +301,26 @@ class VerifiedTokens:
     tokens: torch.Tensor  # [R]
     kept: torch.Tensor  # [G]
     logprobs: _DeviceLogprobs | None = None
+    _host: tuple[torch.Tensor, torch.Tensor, _DeviceLogprobs | None] | None = None
+    _ready: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """As ``SampledTokens.start_copy``: ``to_host`` then waits for the verification
+        only, not for the drafting queued after it."""
+        if self.tokens.is_cuda:
+            self._host = (pinned_copy(self.tokens), pinned_copy(self.kept),
+                          _pinned_logprobs(self.logprobs))  # fmt: skip
+            self._ready = _recorded()
 
     def to_host(self) -> list[tuple[list[int], list[TokenLogprob | None]]]:
         """Per group: the tokens it yields (kept drafts, then the sampled one) and their
         logprobs (None where not asked for)."""
-        tokens, kept = self.tokens.tolist(), self.kept.tolist()
-        lps = [None] * len(tokens) if self.logprobs is None else self.logprobs.to_host(len(tokens))
+        tokens, kept, logprobs = self.tokens, self.kept, self.logprobs
+        if self._host is not None:
+            self._ready.synchronize()
+            tokens, kept, logprobs = self._host
+        tokens, kept = tokens.tolist(), kept.tolist()
+        lps = [None] * len(tokens) if logprobs is None else logprobs.to_host(len(tokens))
         out = []
         for g, n in zip(self.groups, kept):
             rows = slice(g.row, g.row + n + 1)

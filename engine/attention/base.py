@@ -55,6 +55,27 @@ class AttentionMetadata:
         )  # fmt: skip
 
     @classmethod
+    def one_token_each(
+        cls, block_tables: np.ndarray, positions: torch.Tensor, bounds: list[int],
+        block_size: int,
+    ) -> AttentionMetadata:  # fmt: skip
+        """One new token per sequence, at ``positions`` (on the device: known there only)
+        over ``block_tables`` [B, blocks]; ``bounds``: a host bound on each position, which
+        sizes the kernels' work without waiting for the device (decode steps only: a
+        decode attends by ``seq_lens`` on the device)."""
+        device = positions.device
+        tables = host_to_device(block_tables.astype(np.int32), device)
+        rows = torch.arange(len(bounds), device=device)
+        slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
+        lens = [b + 1 for b in bounds]
+        return cls(
+            query_start_loc=host_to_device(np.arange(len(bounds) + 1, dtype=np.int32), device),
+            seq_lens=(positions + 1).to(torch.int32), block_tables=tables,
+            slot_mapping=slots, max_query_len=1, max_seq_len=max(lens),
+            query_lens_cpu=[1] * len(bounds), seq_lens_cpu=lens,
+        )  # fmt: skip
+
+    @classmethod
     def over_null_block(cls, tokens: int, block_size: int,
                         device: torch.device | str) -> AttentionMetadata:  # fmt: skip
         """One sequence of ``tokens`` new tokens whose every block is block 0, the null

@@ -13,6 +13,14 @@ the next step; the runner verifies them in that step's one target forward.
 A proposal is a point mass: one token per position, never a distribution, so the
 verifier's acceptance test is ``u < q(token)`` (``engine.sampler``).
 
+A drafter ``on_device`` (the MTP layers) drafts from the step's outputs on the device
+instead: ``launch`` is called right after the step's forward and verification are queued,
+before anything is read back, with the step's hidden states and the token that follows
+each of its rows (sampled and verified tokens included, as the device has them); it
+queues its forwards behind the step's and returns a ``Drafting`` that the runner reads
+once the step is collected. So a verify step and the drafting after it run back to back
+on the device, read back together.
+
 Drafters that run a model of their own keep its KV in slots of the request's own blocks
 (the target's block table): ``kv_lookahead`` says how many positions past the next
 verify step's tokens they write, which the scheduler keeps allocated for them.
@@ -20,13 +28,13 @@ verify step's tokens they write, which the scheduler keeps allocated for them.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.plan import NewRequest, ScheduledChunk
+from engine.spec.chain import Chained
 from kvstore.layout import KVCache
 
 
@@ -90,7 +98,43 @@ class DraftStep:
         return range(start, start + self.num_real[i])
 
 
-class Drafter(ABC):
+@dataclass
+class LaunchStep:
+    """A step just queued on the device, as an ``on_device`` drafter sees it.
+
+    ``hidden``: the target's final hidden states, a row per token of ``chunks`` in order
+    (more rows may follow: padding); ``next_ids``: the token that follows each row, on the
+    device (a row past a verify chunk's kept drafts holds some token: its KV is written
+    again before anything attends to it). ``requests`` draft: ``num_draft`` is at most
+    what each may verify next (the runner cuts the proposal to its room once the step's
+    tokens are known). Per request, on the device: ``last_rows``, the row of its last
+    real token (its chunk's input token or last kept draft), and ``back``, how many
+    rejected drafts its chunk's end lies past the position after that row; its
+    ``bounds`` (host) are those positions if every draft is kept.
+    """
+
+    chunks: list[ScheduledChunk]
+    hidden: torch.Tensor
+    next_ids: torch.Tensor
+    requests: list[DraftRequest]
+    last_rows: torch.Tensor
+    back: torch.Tensor
+    bounds: list[int]
+
+
+@dataclass
+class Drafting:
+    """Drafts queued on the device for ``request_ids`` (``Drafter.launch``)."""
+
+    request_ids: list[str]
+    chained: Chained
+
+    def to_host(self) -> dict[str, tuple[list[int], list[float]]]:
+        """Per request: its draft tokens and their confidences (waits for the drafting)."""
+        return dict(zip(self.request_ids, self.chained.to_host()))
+
+
+class Drafter:
     """Proposes draft tokens (module docstring). One instance per runner.
 
     ``add`` / ``drop`` follow the runner's requests; ``reset`` says a request lost its KV
@@ -123,9 +167,16 @@ class Drafter(ABC):
         """Of ``num_verified`` drafts verified for the request, the first ``num_kept``
         were kept."""
 
-    @abstractmethod
+    on_device = False  # drafts at launch from the step's device outputs (``launch``)
+
     def propose(self, step: DraftStep) -> dict[str, Proposal]:
-        """Proposals for ``step.requests`` (a request may get none: no good guess)."""
+        """Proposals for ``step.requests`` (a request may get none: no good guess); a
+        drafter that is not ``on_device`` has this."""
+        raise NotImplementedError
+
+    def launch(self, step: LaunchStep) -> Drafting:
+        """Queue the drafts of ``step.requests`` (an ``on_device`` drafter has this)."""
+        raise NotImplementedError
 
     def kv_layers(self) -> int:
         """Layers the drafter adds to the target's KV cache (carried with its blocks:

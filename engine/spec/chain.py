@@ -11,7 +11,9 @@ tokens, positions)`` is the model's one-token step for the requests still drafti
 Which requests go on at each depth depends only on their room and KV slots, known on
 the host, so the chain never waits for the device between depths: the drafts and their
 confidences come back in one copy at the end (each depth read back cost one wait for
-the device, K - 1 of them a step for K drafts).
+the device, K - 1 of them a step for K drafts). ``launch_chain`` only queues the chain
+(``Chained.to_host`` reads it back): a drafter that drafts from a step's device outputs
+queues it behind the step's own work, and the host reads it once the step is collected.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from engine.attention.base import host_to_device
 from engine.config import SpeculativeConfig
+from engine.sampler import pinned_copy
 
 
 @dataclass(frozen=True)
@@ -44,17 +47,59 @@ def confidences(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) 
     return probs.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
-def chain(
+@dataclass
+class Chained:
+    """A chain queued on the device: per depth, the starts still drafting and their
+    tokens and confidences."""
+
+    num_starts: int
+    depths: list[tuple[list[int], torch.Tensor, torch.Tensor]]
+    _host: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def start_copy(self) -> None:
+        """Queue the copy to the host behind the chain (on CUDA), so that ``to_host``
+        waits for the chain only."""
+        if self.depths and self.depths[0][1].is_cuda:
+            tokens, conf = self._flat()
+            self._host = (pinned_copy(tokens), pinned_copy(conf))
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.cat([t for _, t, _ in self.depths]),
+                torch.cat([c for _, _, c in self.depths]))  # fmt: skip
+
+    def to_host(self) -> list[tuple[list[int], list[float]]]:
+        """Per start: its draft tokens and their confidences (the one wait)."""
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in range(self.num_starts)]
+        if not self.depths:
+            return out
+        if self._host is not None:
+            self._ready.synchronize()
+            tokens, conf = self._host
+        else:
+            tokens, conf = self._flat()
+        all_tokens, all_conf = tokens.tolist(), conf.tolist()
+        at = 0
+        for rows, _, _ in self.depths:
+            for i in rows:
+                out[i][0].append(all_tokens[at])
+                out[i][1].append(all_conf[at])
+                at += 1
+        return out
+
+
+def launch_chain(
     config: SpeculativeConfig,
     first_logits: torch.Tensor,
     starts: Sequence[ChainStart],
     forward: Callable[[list[int], torch.Tensor, list[int]], torch.Tensor],
     vocab_size: int,
-) -> list[tuple[list[int], list[float]]]:
-    """Per start: its draft tokens and their confidences (module docstring)."""
-    out: list[tuple[list[int], list[float]]] = [([], []) for _ in starts]
+) -> Chained:
+    """Queue the chain of every start (module docstring); nothing waits for the device.
+    ``first_logits``' rows are the starts' (``ChainStart.row``)."""
     if not starts:
-        return out
+        return Chained(0, [])
     device = first_logits.device
 
     def index(rows: list[int]) -> torch.Tensor:  # to the device without waiting
@@ -77,12 +122,15 @@ def chain(
         active = [active[k] for k in keep]
         tokens = tokens[index(keep)]
         logits = forward(active, tokens, positions)[:, :vocab_size]
-    all_tokens = torch.cat([t for _, t, _ in depths]).tolist()  # the one wait
-    all_conf = torch.cat([c for _, _, c in depths]).tolist()
-    at = 0
-    for rows, _, _ in depths:
-        for i in rows:
-            out[i][0].append(all_tokens[at])
-            out[i][1].append(all_conf[at])
-            at += 1
-    return out
+    return Chained(len(starts), depths)
+
+
+def chain(
+    config: SpeculativeConfig,
+    first_logits: torch.Tensor,
+    starts: Sequence[ChainStart],
+    forward: Callable[[list[int], torch.Tensor, list[int]], torch.Tensor],
+    vocab_size: int,
+) -> list[tuple[list[int], list[float]]]:
+    """Per start: its draft tokens and their confidences (module docstring)."""
+    return launch_chain(config, first_logits, starts, forward, vocab_size).to_host()

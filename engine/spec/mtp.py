@@ -8,13 +8,17 @@ caching, the KV tiers and a prefill worker's transfer to a decode worker carry i
 the target's layers (a prefill worker runs this pass without drafting, so the decode
 worker's MTP attends over the prompt's latents).
 
-After each step, one pass of the layer runs over every real token of the step (a prefill
-chunk's, a verify chunk's input and kept drafts), with the target's hidden states of those
-rows and the token that follows each: that writes the layer's KV of those positions with
-what the target computed. For the requests that go on, the pass's output at the last real
-position gives the first draft; each next draft feeds the layer its own previous output
-hidden state and the draft before (``engine.spec.chain``), writing KV at lookahead slots
-that the next step's pass overwrites with the real thing.
+It drafts on the device (``Drafter.on_device``): right behind each step's forward and
+verification, before anything is read back, one pass of the layer runs over every row of
+the step, with the target's hidden states of those rows and the token that follows each
+as the device has it (sampled and verified tokens included). That writes the layer's KV
+of those positions with what the target computed; the rows past a verify chunk's kept
+drafts write KV at positions the next step writes again before anything attends to them.
+For the requests that go on, the pass's output at the last real row (found on the device
+from the kept count) gives the first draft; each next draft feeds the layer its own
+previous output hidden state and the draft before (``engine.spec.chain``), at positions
+the device places after the kept tokens, writing KV at lookahead slots that the next
+step's pass overwrites with the real thing. The drafts come back with the step's tokens.
 
 Confidence: the head's probability of its token at the position's calibration
 temperature (``SpeculativeConfig.confidence_temperatures``, checked at start to be
@@ -27,14 +31,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.attention import build_backend
-from engine.attention.base import ForwardContext
+from engine.attention.base import AttentionMetadata, ForwardContext, host_to_device
 from engine.config import SpeculativeConfig
 from engine.plan import ScheduledChunk
-from engine.spec.base import Drafter, DraftStep, Proposal
-from engine.spec.chain import ChainStart, chain
+from engine.spec.base import Drafter, Drafting, LaunchStep
+from engine.spec.chain import Chained, ChainStart, launch_chain
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
@@ -44,6 +49,7 @@ if TYPE_CHECKING:
 class MTPDrafter(Drafter):
     name = "mtp"
     needs_hidden = True
+    on_device = True
 
     def __init__(self, config: SpeculativeConfig, model: CausalLM) -> None:
         super().__init__(config.max_draft)
@@ -70,68 +76,58 @@ class MTPDrafter(Drafter):
         self.backend = build_backend(cache, cfg, self.model.attention_scale, str(self.device))
         self._max_len = min(self._max_len, max_model_len)
 
-    def propose(self, step: DraftStep) -> dict[str, Proposal]:
-        if step.hidden is None:
-            raise ValueError("the MTP drafter needs the step's hidden states")
-        proposing = {r.request_id: r for r in step.requests}
-        rows, chunks = [], []
-        for i, chunk in enumerate(step.chunks):
-            known = step.token_ids[i]
-            n = min(step.num_real[i], len(known) - chunk.start_pos - 1)  # rows with a next token
-            if n <= 0:
-                continue
-            rows += step.rows(i)[:n]
-            nxt = list(known[chunk.start_pos + 1 : chunk.start_pos + 1 + n])
-            sample = chunk.request_id in proposing and n == step.num_real[i]
-            chunks.append(ScheduledChunk(chunk.request_id, nxt, chunk.start_pos,
-                                         chunk.block_ids, sample))  # fmt: skip
-        if not chunks:
-            return {}
-        hidden_in = step.hidden[torch.tensor(rows, device=step.hidden.device)]
-        logits, hidden_out, sample_rows = self._forward(chunks, hidden_in)
-        starts, ids = [], []
-        for j, c in enumerate(c for c in chunks if c.sample):
-            r = proposing[c.request_id]
-            limit = min(len(r.block_ids) * self.block_size, self._max_len)
-            starts.append(ChainStart(j, c.end_pos, r.num_draft, limit))
-            ids.append(c.request_id)
-        state = {"hidden": hidden_out[sample_rows]}  # the layer's output, per drafting request
-
-        def forward(active: list[int], tokens: torch.Tensor, positions: list[int]):
-            prev = state["hidden"][torch.tensor(active, device=tokens.device)]
-            step_chunks = [  # the token ids are the device's (``tokens``)
-                ScheduledChunk(ids[a], [0], p, proposing[ids[a]].block_ids, True)
-                for a, p in zip(active, positions)
-            ]
-            out_logits, out_hidden, _ = self._forward(step_chunks, prev, tokens)
-            full = state["hidden"].clone()
-            full[torch.tensor(active, device=tokens.device)] = out_hidden
-            state["hidden"] = full
-            return out_logits
-
-        drafted = chain(self.config, logits, starts, forward, self.model.config.vocab_size)
-        return {
-            rid: Proposal(len(proposing[rid].token_ids), tokens, conf)
-            for rid, (tokens, conf) in zip(ids, drafted)
-        }
-
-    def _forward(
-        self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-        token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """The layer over ``chunks`` (their token ids, or ``token_ids`` on the device, are
-        the tokens that follow each position) with the previous hidden states ``hidden``:
-        logits of the sampled rows, the output hidden states of every row, and the sampled
-        rows' indices."""
+    def launch(self, step: LaunchStep) -> Drafting:
+        """One pass of the layer over every row of the step, then the chain of each
+        drafting request from its last real row (module docstring), all queued."""
         from engine.runner import step_inputs
 
-        inputs, _ = step_inputs(chunks, self.block_size, self.device)
+        rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
+                               False) for c in step.chunks]  # fmt: skip
+        inputs, _ = step_inputs(rows, self.block_size, self.device)
+        n = inputs.positions.shape[0]
+        stream = self._layer(step.next_ids, inputs.positions, inputs.meta, step.hidden[:n])
+        ids = [r.request_id for r in step.requests]
+        if not ids:
+            return Drafting([], Chained(0, []))
+        state = {"hidden": stream[step.last_rows]}  # the layer's output, per drafting request
+        starts = [
+            ChainStart(j, bound, r.num_draft,
+                       min(len(r.block_ids) * self.block_size, self._max_len))
+            for j, (r, bound) in enumerate(zip(step.requests, step.bounds))
+        ]  # fmt: skip
+        tables = np.zeros((len(ids), max(len(r.block_ids) for r in step.requests)), np.int32)
+        for j, r in enumerate(step.requests):
+            tables[j, : len(r.block_ids)] = r.block_ids
+
+        def forward(active: list[int], tokens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+            index = host_to_device(np.array(active, dtype=np.int64), tokens.device)
+            positions = host_to_device(np.array(bounds, dtype=np.int64), tokens.device)
+            positions = positions - step.back[index]  # where the drafts really go
+            meta = AttentionMetadata.one_token_each(tables[active], positions, bounds,
+                                                    self.block_size)  # fmt: skip
+            out = self._layer(tokens, positions, meta, state["hidden"][index])
+            full = state["hidden"].clone()
+            full[index] = out
+            state["hidden"] = full
+            return self._logits(out)
+
+        chained = launch_chain(self.config, self._logits(state["hidden"]), starts, forward,
+                               self.model.config.vocab_size)  # fmt: skip
+        chained.start_copy()
+        return Drafting(ids, chained)
+
+    def _layer(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The layer's output stream at each row: ``token_ids`` are the tokens that follow
+        each position, ``hidden`` the hidden states before (the target's, or the layer's
+        own for a chained draft)."""
         layer = self.layer
-        ids = inputs.input_ids if token_ids is None else token_ids
-        embed = self.model.model.embed_tokens(ids)
+        embed = self.model.model.embed_tokens(token_ids)
         x = layer.eh_proj(torch.cat((layer.enorm(embed), layer.hnorm(hidden.to(embed.dtype))), -1))
-        out, residual = layer(x, None, inputs.positions, ForwardContext(inputs.meta, self.backend))
-        stream = out + residual
-        chosen = stream[inputs.sample_rows]
-        logits = self.model.compute_logits(layer.shared_head["norm"](chosen))
-        return logits, stream, inputs.sample_rows
+        out, residual = layer(x, None, positions, ForwardContext(meta, self.backend))
+        return out + residual
+
+    def _logits(self, stream: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.layer.shared_head["norm"](stream))

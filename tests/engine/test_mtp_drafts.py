@@ -123,15 +123,15 @@ def proposals(
         speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=K,
                                       schedule="fixed"),
     ))  # fmt: skip
-    drafter = llm.core.runner.drafter
-    propose, seen = drafter.propose, []
+    runner = llm.core.runner
+    finish, seen = runner.finish, []
 
-    def recorded(step):
-        proposals = propose(step)
-        seen.extend(proposals.values())
-        return proposals
+    def recorded(launched):
+        result = finish(launched)
+        seen.extend(result.proposals.values())
+        return result
 
-    drafter.propose = recorded
+    runner.finish = recorded
     out = []
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt in prompts:
