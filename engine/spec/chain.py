@@ -110,7 +110,8 @@ def launch_chain(
     depths: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (active, tokens, conf)
     for depth in range(max(s.room for s in starts)):
         tokens = logits.argmax(-1)
-        conf = confidences(logits, tokens, config.temperature(depth)).clamp(0.0, 1.0)
+        conf = confidences(logits, tokens, config.temperature(depth))
+        conf = conf.nan_to_num(0.0).clamp(0.0, 1.0)  # a draft of NaN logits: never kept
         depths.append((active, tokens, conf))
         keep = [
             k for k, i in enumerate(active)
