@@ -101,8 +101,8 @@ class MultiTokenPredictor(DecoderLayer):
     of token t+1), hnorm(main model's hidden state at t)])``, whose output goes through
     ``shared_head.norm`` and the model's own output head to predict token t+2. The
     embeddings and the head are the main model's (the checkpoint's copies are skipped).
-    Loaded, not run: speculative decoding with it needs its own KV cache layer (one more
-    MLA latent per token) and a draft step in the runner."""
+    Run by the MTP drafter (``engine.spec.mtp``), over a KV cache layer of its own (one
+    more MLA latent per token)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__(config, MLAttention(config, layer_idx, rotary),

@@ -159,3 +159,50 @@ def test_a_mixed_steps_short_sequences_through_the_kernel_match_the_math_kernel(
     monkeypatch.setattr(torch_mla, "FUSED_PREFILL", [SDPBackend.MATH])
     math = backend.prefill(cache, q, kv_b.to(torch.bfloat16), meta).float()
     assert ((mixed - math).norm() / math.norm()).item() < 1e-2
+
+
+def test_mtp_drafts_through_the_drafters_graphs_match_its_eager_drafts():
+    """The MTP layer's one-token rows (a verify step's, each chained draft's) replayed
+    from its CUDA graphs, against the same engine with those graphs dropped: the same
+    greedy outputs (drafts never change them) and, but for a rare near-tie that rounding
+    settles the other way, the same drafts."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from engine.llm import LLM
+    from engine.loader import dummy
+
+    dummy.PRESETS["deepseek-v3-kernel-wide-mtp"] = dataclasses.replace(
+        KERNEL_WIDE, name="dummy-deepseek-v3-kernel-wide-mtp", num_mtp_layers=1
+    )
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (5, 130, 33)]
+    runs = []
+    for graphed in (True, False):
+        llm = LLM(EngineConfig(
+            model="dummy:deepseek-v3-kernel-wide-mtp", device="cuda", dtype="bfloat16",
+            cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=2048),
+            speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3,
+                                          schedule="fixed"),
+        ))  # fmt: skip
+        runner = llm.core.runner
+        assert runner.drafter.graphs is not None and runner.drafter.graphs.captured
+        if not graphed:
+            runner.drafter.graphs = None
+        finish, drafts = runner.finish, []
+
+        def recorded(launched, finish=finish, drafts=drafts):
+            result = finish(launched)
+            drafts += [t for _, p in sorted(result.proposals.items()) for t in p.token_ids]
+            return result
+
+        runner.finish = recorded
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs = [r.token_ids for r in llm.generate(prompts, params)]
+        llm.core.check_integrity()
+        runs.append((outputs, drafts))
+        del llm
+    (graphed_out, graphed_drafts), (eager_out, eager_drafts) = runs
+    assert graphed_out == eager_out
+    same = sum(a == b for a, b in zip(graphed_drafts, eager_drafts))
+    assert len(graphed_drafts) == len(eager_drafts) > 0
+    assert same >= 0.9 * len(eager_drafts), (same, len(eager_drafts))
