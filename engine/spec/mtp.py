@@ -40,7 +40,6 @@ from engine.config import SpeculativeConfig
 from engine.plan import ScheduledChunk
 from engine.spec.base import Drafter, Drafting, LaunchStep
 from engine.spec.chain import Chained, ChainStart, launch_chain
-from engine.spec.graphs import RowGraphs
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
@@ -67,7 +66,6 @@ class MTPDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.block_size = 0
         self._max_len = model.config.max_position_embeddings
-        self.graphs: RowGraphs | None = None
 
     def kv_layers(self) -> int:
         return 1
@@ -83,20 +81,11 @@ class MTPDrafter(Drafter):
         drafting request from its last real row (module docstring), all queued."""
         from engine.runner import step_inputs
 
-        chunks = step.chunks
-        n = sum(c.num_tokens for c in chunks)
-        end = max(c.end_pos for c in chunks)
-        graphs = self.graphs
-        if graphs is not None and all(c.is_decode for c in chunks) and graphs.accepts(n, end):
-            positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-            tables = _tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
-            stream = graphs.run(step.next_ids, host_to_device(positions, self.device),
-                                step.hidden[:n], tables)  # fmt: skip
-        else:
-            rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
-                                   False) for c in chunks]  # fmt: skip
-            inputs, _ = step_inputs(rows, self.block_size, self.device)
-            stream = self._layer(step.next_ids, inputs.positions, inputs.meta, step.hidden[:n])
+        rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
+                               False) for c in step.chunks]  # fmt: skip
+        inputs, _ = step_inputs(rows, self.block_size, self.device)
+        n = inputs.positions.shape[0]
+        stream = self._layer(step.next_ids, inputs.positions, inputs.meta, step.hidden[:n])
         ids = [r.request_id for r in step.requests]
         if not ids:
             return Drafting([], Chained(0, []))
@@ -106,19 +95,17 @@ class MTPDrafter(Drafter):
                        min(len(r.block_ids) * self.block_size, self._max_len))
             for j, (r, bound) in enumerate(zip(step.requests, step.bounds))
         ]  # fmt: skip
-        tables = _tables([r.block_ids for r in step.requests])
+        tables = np.zeros((len(ids), max(len(r.block_ids) for r in step.requests)), np.int32)
+        for j, r in enumerate(step.requests):
+            tables[j, : len(r.block_ids)] = r.block_ids
 
         def forward(active: list[int], tokens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
             index = host_to_device(np.array(active, dtype=np.int64), tokens.device)
             positions = host_to_device(np.array(bounds, dtype=np.int64), tokens.device)
             positions = positions - step.back[index]  # where the drafts really go
-            prev = state["hidden"][index]
-            if graphs is not None and graphs.accepts(len(active), max(bounds) + 1):
-                out = graphs.run(tokens, positions, prev, tables[active])
-            else:
-                meta = AttentionMetadata.one_token_each(tables[active], positions, bounds,
-                                                        self.block_size)  # fmt: skip
-                out = self._layer(tokens, positions, meta, prev)
+            meta = AttentionMetadata.one_token_each(tables[active], positions, bounds,
+                                                    self.block_size)  # fmt: skip
+            out = self._layer(tokens, positions, meta, state["hidden"][index])
             full = state["hidden"].clone()
             full[index] = out
             state["hidden"] = full
@@ -128,14 +115,6 @@ class MTPDrafter(Drafter):
                                self.model.config.vocab_size)  # fmt: skip
         chained.start_copy()
         return Drafting(ids, chained)
-
-    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True) -> RowGraphs:
-        """From now on, the layer's calls over one-token rows (up to ``max_rows``, within
-        ``max_seq_len``) replay CUDA graphs (``engine.spec.graphs``; ``capture=False``:
-        the same buffers, run eagerly)."""
-        self.graphs = RowGraphs(self._layer, self.model, self.backend, self.block_size,
-                                max_rows, min(max_seq_len, self._max_len), capture)  # fmt: skip
-        return self.graphs
 
     def _layer(
         self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -152,11 +131,3 @@ class MTPDrafter(Drafter):
 
     def _logits(self, stream: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.layer.shared_head["norm"](stream))
-
-
-def _tables(block_ids: list[list[int]]) -> np.ndarray:
-    """Block tables as rows of one array, padded with the null block."""
-    tables = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
-    for row, blocks in zip(tables, block_ids):
-        row[: len(blocks)] = blocks
-    return tables
