@@ -145,7 +145,8 @@ class EngineCore:
         if drafter is not None:
             drafter.bind(self.kv_cache, cache_cfg.num_blocks, self.max_model_len)
         lookahead = drafter.kv_lookahead if drafter is not None else 0
-        spec = SpecDecoding(speculative, lookahead, lagged=self.overlap)
+        on_device = drafter is not None and drafter.on_device
+        spec = SpecDecoding(speculative, lookahead, lagged=self.overlap, on_device=on_device)
         self.scheduler = scheduler_cls(self.config.scheduler, self.kv, self.max_model_len, spec)
         sampler = Sampler(mc.vocab_size, config.device, seed=config.seed)
         self.runner = ModelRunner(loaded.model, backend, sampler, cache_cfg.block_size, drafter,
@@ -371,6 +372,9 @@ class EngineCore:
         outputs += failed
         outputs += self._drop_uncomputable()
         previous, self._inflight = self._inflight, None
+        if previous is not None and not self._can_plan_after(previous[0]):
+            outputs += self.scheduler.update(previous[0], self.runner.finish(previous[1]))
+            previous = None
         launched = None
         start = time.perf_counter()
         if self.scheduler.has_work:
@@ -400,10 +404,26 @@ class EngineCore:
                 self.media.release(out.request_id)
         return outputs
 
+    def _can_plan_after(self, plan: StepPlan) -> bool:
+        """Whether the next step can still be planned before ``plan``'s tokens are known:
+        after a step that verifies drafts only while it holds nothing but decode rows
+        (``_can_run_on``); a request that arrived since must wait for its outcome."""
+        return not plan.num_draft_tokens or not self.scheduler.waiting
+
     def _can_run_on(self, plan: StepPlan) -> bool:
-        """Whether the next step can be planned before ``plan``'s tokens are known."""
-        if not self.scheduler.overlappable or plan.num_draft_tokens:
-            return False  # the next plan must know how many drafts were kept
+        """Whether the next step can be planned before ``plan``'s tokens are known. After a
+        step that verifies drafts, only where its drafter drafts on the device and the next
+        step holds nothing but decode rows (every running request is in ``plan`` and
+        samples, nothing waits): the device places those rows after the tokens kept
+        (``engine.runner``); a host drafter's drafts need the tokens on the host."""
+        if not self.scheduler.overlappable:
+            return False
+        if plan.num_draft_tokens and not (
+            self.scheduler.spec.on_device and not self.scheduler.waiting
+            and len(plan.chunks) == len(self.scheduler.running)
+            and all(c.sample for c in plan.chunks)
+        ):  # fmt: skip
+            return False
         for chunk in plan.chunks:
             req = self.scheduler.requests.get(chunk.request_id)
             if req is None:

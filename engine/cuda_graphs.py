@@ -137,7 +137,7 @@ class DecodeGraphs(Buckets):
         self.max_blocks = math.ceil(max_seq_len / block_size)
         self._buckets = {b: self._allocate(b) for b in self.sizes}
         self._recorder = None  # on the CPU, once programs are checked: (kernels, embedding)
-        # fills in tokens sampled by a step still running (ModelRunner.resolve_inputs)
+        # fills in what a step still running left on the device (ModelRunner.resolve_inputs)
         self.resolve_inputs = None
         if capture:
             self.capture()
@@ -176,6 +176,11 @@ class DecodeGraphs(Buckets):
             return logits
         with torch.inference_mode():
             return self.model.compute_logits(bucket.hidden)
+
+    def input_ids(self, n: int) -> torch.Tensor:
+        """The input tokens of the first ``n`` rows of the last ``run``, as the device had
+        them (the graph's buffer: read it before the next step)."""
+        return self._last.int64[0, :n]
 
     def hidden(self, n: int) -> torch.Tensor:
         """The final hidden states of the first ``n`` rows of the last ``run`` (the
@@ -223,7 +228,8 @@ class DecodeGraphs(Buckets):
         _copy_in(bucket.int64, host64)
         _copy_in(bucket.int32, host32)
         if self.resolve_inputs is not None:
-            self.resolve_inputs(bucket.int64[0], host64[0], [c.request_id for c in chunks])
+            self.resolve_inputs(bucket.int64[0], bucket.int64[1], bucket.meta, host64[0],
+                                [c.request_id for c in chunks])  # fmt: skip
 
     # -- the forward and its capture ------------------------------------------------------
 

@@ -81,8 +81,8 @@ class PrefillScheduler(Scheduler):
     def num_transferring(self) -> int:
         return len(self.held)
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        return super()._stop_reason(req, token) or PREFILLED
+    def _stop_reason(self, req: Request, token: int, outputs: int | None = None) -> str | None:
+        return super()._stop_reason(req, token, outputs) or PREFILLED
 
     def _finish(self, req: Request, reason: str) -> None:
         if reason != PREFILLED:

@@ -14,6 +14,17 @@ from kvstore.hashing import ROOT_HASH, BlockHash, MediaSpan, block_extra, block_
 UNRESOLVED = -1  # an output token sampled by a step that is still running (overlap)
 
 
+def unresolved_draft(j: int) -> int:
+    """The placeholder of draft ``j`` made on the device after a step still running (its
+    token is known there only)."""
+    return -2 - j
+
+
+def draft_index(placeholder: int) -> int:
+    """Which draft an ``unresolved_draft`` placeholder stands for."""
+    return -2 - placeholder
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -49,6 +60,9 @@ class Request:
     grammar: Any = None  # compiled grammar (engine.structured), set before it is scheduled
     # trailing output tokens that are UNRESOLVED: their step is still running
     num_unresolved: int = 0
+    # drafts rejected by a step whose outcome came after the next step was planned: how
+    # far that next step's chunk lies before where it was placed (Scheduler.update)
+    moved_back: int = 0
     media: tuple[MediaItem, ...] = ()
     trace_id: str = ""  # the HTTP request it belongs to, for log lines (EngineRequest's)
 
@@ -72,10 +86,12 @@ class Request:
     def num_resolved_outputs(self) -> int:
         return len(self.output_token_ids) - self.num_unresolved
 
-    def resolve(self, token: int) -> None:
-        """The oldest unresolved output token is ``token``."""
-        self.output_token_ids[len(self.output_token_ids) - self.num_unresolved] = token
-        self.num_unresolved -= 1
+    def resolve(self, tokens: list[int], assumed: int = 1) -> None:
+        """The oldest ``assumed`` unresolved output tokens (a step's, counted at its
+        longest: every draft kept) are ``tokens``; those it did not yield are dropped."""
+        first = len(self.output_token_ids) - self.num_unresolved
+        self.output_token_ids[first : first + assumed] = tokens
+        self.num_unresolved -= assumed
 
     @property
     def computes_whole_prompt(self) -> bool:

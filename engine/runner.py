@@ -63,7 +63,7 @@ from engine.models.base import CausalLM, RopeTable, Spliced
 from engine.models.quant import decode_rows
 from engine.piecewise_graphs import TOKEN_BUCKETS, PiecewiseGraphs
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult, StepTiming
-from engine.request import UNRESOLVED
+from engine.request import UNRESOLVED, draft_index
 from engine.sampler import (
     DraftGroup,
     PromptLogprobs,
@@ -198,6 +198,21 @@ class _Launched:
         return self.plain_ids + self.verify_ids
 
 
+@dataclass
+class _Previous:
+    """What the last launch left on the device for the next one's inputs: the tokens it
+    sampled (``plain``, by request), the tokens its verification yielded and how many
+    drafts each group kept (``verify``: request -> group), and the drafts made behind it
+    (``drafted``: request -> row of ``drafts`` [requests, K])."""
+
+    plain: dict[str, int] = field(default_factory=dict)
+    plain_tokens: torch.Tensor | None = None
+    verify: dict[str, int] = field(default_factory=dict)
+    verified: VerifiedTokens | None = None
+    drafted: dict[str, int] = field(default_factory=dict)
+    drafts: torch.Tensor | None = None
+
+
 class ModelRunner:
     """``embeddings(request_id)``: the embeddings of a request's images, one tensor
     [tokens, hidden] per image (None when this engine has none for it)."""
@@ -227,6 +242,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
         self.num_forwards = 0  # model forwards run (or replayed) since start
+        self._previous = _Previous()
+        # per row of the step being launched: how many positions back its request's
+        # tokens really sit (drafts the step in flight rejected); None when none do
+        self._shift: torch.Tensor | None = None
 
     @property
     def computes_in_launch(self) -> bool:
@@ -281,10 +300,20 @@ class ModelRunner:
             if self.drafter is not None and self.drafter.on_device:
                 launched.drafting = self._launch_drafts(launched)
                 clock.mark()
-        if launched.plain is not None:
-            self._last = ({rid: i for i, rid in enumerate(launched.plain_ids)},
-                          launched.plain.tokens)  # fmt: skip
+        self._previous = self._left_behind(launched)
         return launched
+
+    def _left_behind(self, launched: _Launched) -> _Previous:
+        previous = _Previous(verify={rid: g for g, rid in enumerate(launched.verify_ids)},
+                             verified=launched.verified)  # fmt: skip
+        if launched.plain is not None:
+            previous.plain = {rid: i for i, rid in enumerate(launched.plain_ids)}
+            previous.plain_tokens = launched.plain.tokens
+        drafting = launched.drafting
+        if drafting is not None and drafting.request_ids:
+            previous.drafted = {rid: d for d, rid in enumerate(drafting.request_ids)}
+            previous.drafts = drafting.chained.as_table(self.drafter.max_draft)
+        return previous
 
     def finish(self, launched: _Launched | None) -> StepResult:
         if launched is None:
@@ -330,18 +359,77 @@ class ModelRunner:
             timing=StepTiming(forward_s, sample_s, draft_s),
         )
 
-    def resolve_inputs(self, ids: torch.Tensor, host_ids: np.ndarray, owners: list[str]) -> None:
-        """Replace, in the device tensor ``ids`` (a copy of ``host_ids``), every
-        UNRESOLVED token by the token the previous launch sampled for its owner
-        (``owners[i]``: the request of ``host_ids[i]``)."""
-        where = np.flatnonzero(host_ids[: len(owners)] == UNRESOLVED)
-        if not len(where):
+    def resolve_inputs(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        host_ids: np.ndarray, owners: list[str],
+    ) -> None:  # fmt: skip
+        """Fill in, in the device tensors of a step (copies of its host values), what the
+        previous launch left on the device (``owners[i]``: the request of row ``i``):
+
+        - an UNRESOLVED token is the one that step sampled for its request, or the token
+          its verification yielded after the drafts kept;
+        - an ``unresolved_draft`` placeholder is that draft made behind it;
+        - the rows of a request whose drafts that step verified move back by the drafts
+          it rejected (the plan placed them as if all were kept): positions, context
+          lengths and KV slots (``self._shift`` keeps how far, for the drafter).
+
+        The step must then be decode rows, one token per sequence."""
+        self._shift = None
+        n = len(owners)
+        prev = self._previous
+        where = np.flatnonzero(host_ids[:n] < 0)
+        # planned before that step's outcome (its tokens are placeholders here)
+        assumed = {owners[i] for i in where}
+        moved = [i for i, rid in enumerate(owners) if rid in prev.verify and rid in assumed]
+        if not len(where) and not moved:
             return
-        rows, previous = self._last
-        index = np.array([rows[owners[i]] for i in where], dtype=np.int64)
-        ids[host_to_device(where.astype(np.int64), self.device)] = previous[
-            host_to_device(index, self.device)
-        ]
+        device = self.device
+        verified = prev.verified
+        kept = verified.kept if verified is not None else None
+        if len(where):
+            # one flat source: the sampled tokens, the verified ones, the drafts, a 0 (a
+            # draft the drafter had no room for: any token verifies exactly)
+            sources = [t for t in (prev.plain_tokens, verified and verified.tokens,
+                                   prev.drafts) if t is not None]  # fmt: skip
+            flat = torch.cat([t.reshape(-1) for t in sources] + [ids.new_zeros(1)])
+            n_plain = 0 if prev.plain_tokens is None else prev.plain_tokens.numel()
+            n_verified = 0 if verified is None else verified.tokens.numel()
+            width = 0 if prev.drafts is None else prev.drafts.shape[1]
+            base, groups = np.zeros(len(where), np.int64), np.full(len(where), -1, np.int64)
+            for j, i in enumerate(where):
+                rid, placeholder = owners[i], host_ids[i]
+                if placeholder == UNRESOLVED and rid in prev.plain:
+                    base[j] = prev.plain[rid]
+                elif placeholder == UNRESOLVED:
+                    g = groups[j] = prev.verify[rid]
+                    base[j] = n_plain + verified.groups[g].row  # + its kept count
+                elif rid in prev.drafted and draft_index(placeholder) < width:
+                    base[j] = n_plain + n_verified + prev.drafted[rid] * width + draft_index(
+                        placeholder)  # fmt: skip
+                else:
+                    base[j] = flat.numel() - 1
+            index = host_to_device(base, device)
+            bonus = np.flatnonzero(groups >= 0)
+            if len(bonus):
+                at = _rows(bonus.tolist(), device)
+                index[at] += kept[_rows(groups[bonus].tolist(), device)]
+            ids[_rows(where.tolist(), device)] = flat[index]
+        if not moved:
+            return
+        if meta.max_query_len != 1 or len(meta.seq_lens_cpu) < n:
+            raise RuntimeError("a step after one whose drafts are still being verified must "
+                               "be decode rows")  # fmt: skip
+        groups = [prev.verify[owners[i]] for i in moved]
+        rejected = (_rows([verified.groups[g].num_draft for g in groups], device)
+                    - kept[_rows(groups, device)])  # fmt: skip
+        shift = torch.zeros(n, dtype=torch.long, device=device)
+        shift[_rows(moved, device)] = rejected
+        positions[:n] -= shift
+        meta.seq_lens[:n] -= shift.to(meta.seq_lens.dtype)
+        bs, rows = self.block_size, torch.arange(n, device=device)
+        pos = positions[:n]
+        meta.slot_mapping[:n] = meta.block_tables[rows, pos // bs].long() * bs + pos % bs
+        self._shift = shift
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
         """Run the forward and sampling of a plan without drafts; returns the sampled
@@ -367,14 +455,17 @@ class ModelRunner:
         """Sample the plain chunks' rows and verify the drafts of the others (``logits``
         holds each sampling chunk's rows in turn)."""
         plain_ids, plain_rows, verify_ids, verify_rows, groups = [], [], [], [], []
-        row = 0
+        drafts: list[int] = []  # per verified row, the step's row of the draft it checks
+        row = first = 0
         for chunk in plan.chunks:
+            first += chunk.num_tokens
             if not chunk.sample:
                 continue
             if chunk.num_draft:
                 verify_ids.append(chunk.request_id)
                 groups.append(DraftGroup(len(verify_rows), chunk.draft_token_ids))
                 verify_rows += range(row, row + chunk.num_sampled_rows)
+                drafts += [*range(first - chunk.num_draft, first), -1]
             else:
                 plain_ids.append(chunk.request_id)
                 plain_rows.append(row)
@@ -385,14 +476,18 @@ class ModelRunner:
             plain = self._sample_plain(rows, plain_ids)
         if verify_ids:
             rows = logits if not plain_ids else logits[_rows(verify_rows, self.device)]
-            verified = self._verify(rows, verify_ids, groups)
+            verified = self._verify(rows, verify_ids, groups, drafts)
         wanted = self.drafter is not None and self.drafter.needs_hidden
         return _Launched(plan, plain_ids, plain, verify_ids, verified,
                          hidden if wanted else None, clock)  # fmt: skip
 
     def _verify(
-        self, logits: torch.Tensor, request_ids: list[str], groups: list[DraftGroup]
-    ) -> VerifiedTokens:
+        self, logits: torch.Tensor, request_ids: list[str], groups: list[DraftGroup],
+        draft_rows: list[int],
+    ) -> VerifiedTokens:  # fmt: skip
+        """``draft_rows``: per verified row, the step's row whose input token is the draft
+        it checks (-1: a group's last row); the drafts are read there, on the device,
+        where a draft made behind the step before is only known."""
         states = [self.states[rid] for rid in request_ids]
         rows = [
             s.row(g.draft_token_ids[:j]) for s, g in zip(states, groups) for j in range(g.num_rows)
@@ -401,12 +496,15 @@ class ModelRunner:
             [(s.grammar, g.draft_token_ids) for s, g in zip(states, groups)],
             self.sampler.vocab_size,
         )
-        return self.sampler.verify(logits, rows, mask, groups)
+        at = host_to_device(np.array(draft_rows, dtype=np.int64), self.device)
+        drafts = torch.where(at >= 0, self._ids[at.clamp(min=0)], -1)
+        return self.sampler.verify(logits, rows, mask, groups, drafts)
 
     def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the rows to sample or verify (each sampling chunk's in turn) and the
         step's hidden states (one row per token; None from a CUDA graph without them)."""
         chunks = plan.chunks
+        self._shift = None
         prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
         if not any(prompt_rows):
             chunks = _decode_rows(chunks) or chunks
@@ -418,11 +516,13 @@ class ModelRunner:
             logits = self.graphs.run(chunks, offsets if any(offsets) else None)
             self.num_forwards += 1
             hidden = self.graphs.hidden(len(chunks))
+            self._ids = self.graphs.input_ids(len(chunks))
             if all(c.sample for c in chunks):
                 return logits[: len(chunks)], hidden
             rows = [i for i, c in enumerate(chunks) if c.sample]
             return logits[_rows(rows, self.device)], hidden
         inputs = self.prepare(StepPlan(chunks=chunks))
+        self._ids = inputs.input_ids  # on the device, resolved
         pieces = self.pieces
         if (pieces is not None and inputs.spliced is None and inputs.positions.dim() == 1
                 and pieces.accepts(inputs.input_ids.shape[0])):  # fmt: skip
@@ -612,9 +712,11 @@ class ModelRunner:
             if which:
                 kept[_rows(which, device)] = launched.verified.kept[
                     _rows([group_of[j] for j in which], device)]  # fmt: skip
-        step = LaunchStep(chunks, launched.hidden, ids, requests,
-                          _rows(last_rows, device) + kept, _rows(num_draft, device) - kept,
-                          bounds)  # fmt: skip
+        back = _rows(num_draft, device) - kept
+        if self._shift is not None and requests:  # moved back by the step before's rejects
+            back += self._shift[_rows(last_rows, device)]
+        step = LaunchStep(chunks, launched.hidden, ids, requests, _rows(last_rows, device) + kept,
+                          back, bounds, self._shift)  # fmt: skip
         return self.drafter.launch(step)
 
     def _collect_drafts(self, drafting: Drafting, ended: frozenset[str]) -> dict[str, Proposal]:
@@ -659,9 +761,8 @@ class ModelRunner:
         index = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
         positions = self._rope_positions(chunks, index)
         inputs, host_ids = step_inputs(chunks, self.block_size, self.device, positions)
-        if (host_ids == UNRESOLVED).any():
-            owners = [c.request_id for c in chunks for _ in range(c.num_tokens)]
-            self.resolve_inputs(inputs.input_ids, host_ids, owners)
+        owners = [c.request_id for c in chunks for _ in range(c.num_tokens)]
+        self.resolve_inputs(inputs.input_ids, inputs.positions, inputs.meta, host_ids, owners)
         spliced = self._spliced(chunks)
         return inputs if spliced is None else replace(inputs, spliced=spliced)
 

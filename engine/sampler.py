@@ -225,19 +225,24 @@ class Sampler:
         rows: Sequence[SamplingRow],
         mask: TokenMask | None,
         groups: Sequence[DraftGroup],
+        drafts: torch.Tensor | None = None,
     ) -> VerifiedTokens:
         """Keep or reject each group's drafts and sample the token after the kept ones (the
-        module docstring's verification); queued on the device, never waited for."""
+        module docstring's verification); queued on the device, never waited for.
+        ``drafts``: each row's next draft token on the device (-1 at a group's last row),
+        in place of the groups' own (placeholders where the device alone knows them)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if sum(g.num_rows for g in groups) != len(rows):
             raise ValueError("draft groups must cover the rows exactly")
         raw = logits[:, : self.vocab_size]
         probs = target_probs(apply_mask(process_logits(raw, rows), raw, mask), rows)
-        draft = [-1] * len(rows)  # each row's next draft token (-1: the group's last row)
-        for g in groups:
-            draft[g.row : g.row + g.num_draft] = g.draft_token_ids
-        draft_t = _on(draft, probs)
+        if drafts is None:
+            draft = [-1] * len(rows)  # each row's next draft token (-1: the group's last row)
+            for g in groups:
+                draft[g.row : g.row + g.num_draft] = g.draft_token_ids
+            drafts = _on(draft, probs)
+        draft_t = drafts
         has_draft = draft_t >= 0
         safe = draft_t.clamp(min=0).unsqueeze(1)
         q_draft = probs.gather(1, safe).squeeze(1)

@@ -155,7 +155,8 @@ class Scheduler:
         if not self.spec.enabled or budget <= 0:
             return
         where, candidates = [], []
-        for i, chunk in enumerate(chunks if self.spec.fresh else ()):  # none: nothing to look up
+        # none fresh, and none made on the device: nothing to look up
+        for i, chunk in enumerate(chunks if self.spec.fresh or self.spec.drafting else ()):
             if chunk.sample:
                 req = self.requests[chunk.request_id]
                 candidate = self.spec.drafts_for(req, self._draft_room(req))
@@ -190,6 +191,7 @@ class Scheduler:
         """The next ``n`` tokens after what is computed, then ``drafts`` to verify after
         them, once their blocks are allocated."""
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        req.moved_back = 0  # this chunk is placed where its tokens are
         block_ids = [b.block_id for b in req.blocks]
         return ScheduledChunk(
             req.request_id, req.token_ids(start, end) + list(drafts), start, block_ids,
@@ -207,18 +209,22 @@ class Scheduler:
 
     def assume_sampled(self, plan: StepPlan) -> None:
         """Let ``plan``'s step run on while the next one is planned (overlap scheduling):
-        count its tokens as computed and give each sampling request an UNRESOLVED output
-        token, which ``update`` replaces once the step's tokens are in. The next plan then
-        feeds that token to the model straight from the device."""
-        self.spec.running()
+        count its tokens as computed and give each sampling request UNRESOLVED output
+        tokens, which ``update`` replaces once the step's tokens are in: one, or for a
+        chunk that verifies drafts as many as it yields at its longest (every draft kept,
+        then the token after them). The next plan then feeds the last of them to the
+        model straight from the device, which places it after the tokens really kept
+        (``engine.runner``); ``update`` drops the ones the step did not yield."""
+        self.spec.running(plan)
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None or req.status is not Status.RUNNING:
                 continue
-            req.num_computed_tokens = chunk.end_pos
+            req.num_computed_tokens = chunk.end_pos - req.moved_back  # (Scheduler.update)
+            req.moved_back = 0
             if chunk.sample:
-                req.output_token_ids.append(UNRESOLVED)
-                req.num_unresolved += 1
+                req.output_token_ids += [UNRESOLVED] * (chunk.num_draft + 1)
+                req.num_unresolved += chunk.num_draft + 1
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         self.kv.commit(plan.computing)  # the blocks this plan filled are computed now
@@ -229,15 +235,21 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if chunk.sample and req.num_unresolved:  # assumed: fill in its token
-                req.resolve(result.sampled[rid])
-                tokens = [req.output_token_ids[req.num_resolved_outputs - 1]]
-                reason = self._last_reason(req, tokens[0], result)
+            if chunk.sample and req.num_unresolved:  # assumed: fill in its tokens
+                tokens = result.tokens(rid)
+                req.resolve(tokens, chunk.num_draft + 1)
+                req.moved_back = chunk.num_draft + 1 - len(tokens)
+                if req.status is Status.RUNNING:
+                    req.num_computed_tokens -= req.moved_back
+                # (no truncation: the step after, planned before this outcome, may run
+                # over the blocks past it; its own update gives them back)
+                tokens, reason = self._resolved(req, tokens, result)
             else:
                 if req.status is not Status.RUNNING:
                     continue
                 kept = len(result.accepted.get(rid, ()))
-                req.num_computed_tokens = chunk.end_pos - chunk.num_draft + kept
+                end = chunk.end_pos - req.moved_back  # planned before the step before was in
+                req.num_computed_tokens = end - chunk.num_draft + kept
                 if not chunk.sample:
                     continue
                 tokens, reason = self._append(req, result.tokens(rid), result)
@@ -276,18 +288,43 @@ class Scheduler:
                 return tokens[: i + 1], reason
         return tokens, None
 
-    def _last_reason(self, req: Request, token: int, result: StepResult) -> str | None:
-        """The stop rules for a step's last token of ``req``, whose grammar may end there."""
-        return "stop" if req.request_id in result.ended else self._stop_reason(req, token)
+    def _resolved(
+        self, req: Request, tokens: list[int], result: StepResult
+    ) -> tuple[list[int], str | None]:
+        """The stop rules over ``tokens``, just resolved in place (``Request.resolve``):
+        those up to the first that ends the request, and the finish reason (None: it goes
+        on)."""
+        before = req.num_resolved_outputs - len(tokens)
+        for i, token in enumerate(tokens):
+            outputs = before + i + 1
+            if i == len(tokens) - 1:
+                reason = self._last_reason(req, token, result, outputs)
+            else:
+                reason = self._stop_reason(req, token, outputs)
+            if reason is not None:
+                return tokens[: i + 1], reason
+        return tokens, None
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
+    def _last_reason(
+        self, req: Request, token: int, result: StepResult, outputs: int | None = None
+    ) -> str | None:
+        """The stop rules for a step's last token of ``req``, whose grammar may end there."""
+        if req.request_id in result.ended:
+            return "stop"
+        return self._stop_reason(req, token, outputs)
+
+    def _stop_reason(self, req: Request, token: int, outputs: int | None = None) -> str | None:
+        """The stop rules for ``token``, the ``outputs``-th resolved output (default: the
+        last one)."""
         sp = req.sampling
-        if req.num_resolved_outputs >= sp.min_tokens and (
+        if outputs is None:
+            outputs = req.num_resolved_outputs
+        if outputs >= sp.min_tokens and (
             token in sp.stop_token_ids or (not sp.ignore_eos and token in req.eos_token_ids)
         ):
             req.stop_token_id = token
             return "stop"
-        if self._length_reached(req, req.num_tokens - req.num_unresolved):
+        if self._length_reached(req, req.num_prompt_tokens + outputs):
             return "length"
         return None
 

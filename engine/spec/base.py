@@ -109,8 +109,11 @@ class LaunchStep:
     what each may verify next (the runner cuts the proposal to its room once the step's
     tokens are known). Per request, on the device: ``last_rows``, the row of its last
     real token (its chunk's input token or last kept draft), and ``back``, how many
-    rejected drafts its chunk's end lies past the position after that row; its
-    ``bounds`` (host) are those positions if every draft is kept.
+    positions before its ``bounds`` (host: its chunk's end, as planned) the position
+    after that row really is (the drafts rejected, this step's and the step before's).
+    ``shift``: per row, how far before its planned position it really sits (the step was
+    planned before the one before it was known: ``engine.runner``), None when none moved;
+    the step is then decode rows.
     """
 
     chunks: list[ScheduledChunk]
@@ -120,6 +123,7 @@ class LaunchStep:
     last_rows: torch.Tensor
     back: torch.Tensor
     bounds: list[int]
+    shift: torch.Tensor | None = None
 
 
 @dataclass

@@ -69,6 +69,15 @@ class Chained:
         return (torch.cat([t for _, t, _ in self.depths]),
                 torch.cat([c for _, _, c in self.depths]))  # fmt: skip
 
+    def as_table(self, width: int) -> torch.Tensor:
+        """The drafts as a device table [starts, width], row ``i`` start ``i``'s (0 past
+        its last draft)."""
+        device = self.depths[0][1].device
+        table = torch.zeros(self.num_starts, width, dtype=torch.long, device=device)
+        for depth, (rows, tokens, _) in enumerate(self.depths):
+            table[host_to_device(np.array(rows, dtype=np.int64), device), depth] = tokens
+        return table
+
     def to_host(self) -> list[tuple[list[int], list[float]]]:
         """Per start: its draft tokens and their confidences (the one wait)."""
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in range(self.num_starts)]

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 
 from engine.config import SpeculativeConfig
 from engine.plan import StepPlan, StepResult
-from engine.request import Request
+from engine.request import Request, unresolved_draft
 from engine.spec.base import Proposal
 from engine.spec.cost import MedianEstimator
 from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
@@ -119,13 +119,19 @@ class SpecDecoding:
     def __init__(
         self, config: SpeculativeConfig, kv_lookahead: int = 0, lagged: bool = False,
         guard: bool | None = None, clock: Callable[[], float] = time.perf_counter,
+        on_device: bool = False,
     ) -> None:  # fmt: skip
         """``guard``: the realized-gain guard (default: with the dynamic policy);
-        ``clock``: the wall clock it measures steps with."""
+        ``clock``: the wall clock it measures steps with; ``on_device``: the drafter drafts
+        on the device behind each step (``Drafter.on_device``)."""
         self.config = config
         self.max_draft = config.max_draft
         self.kv_lookahead = kv_lookahead  # KV slots a model drafter writes past a step's
         self.lagged = lagged
+        self.on_device = on_device
+        # whether the step in flight is followed by drafts made on the device: the plan
+        # being made verifies those (``drafts_for``), their tokens known there only
+        self.drafting = False
         self.policy: VerifyPolicy = POLICIES[config.schedule]()
         self._proposals: dict[str, Proposal] = {}
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
@@ -170,6 +176,9 @@ class SpecDecoding:
         proposal = self._proposals.get(req.request_id)
         if proposal is None or room <= 0 or not req.sampling.speculative:
             return None
+        if self.drafting and req.num_unresolved:  # being drafted on the device, after its
+            curve = proposal.survival()[:room]  # latest proposal's curve: the lagged one
+            return Candidate(req, [unresolved_draft(j) for j in range(len(curve))], curve)
         skip = req.num_tokens - proposal.start
         if skip == 0 or (skip == 1 and req.num_unresolved == 1):
             tokens, curve = proposal.token_ids[skip:], proposal.survival()[skip:]
@@ -300,13 +309,15 @@ class SpecDecoding:
         """The step being planned verifies drafts of ``request_id`` with these survivals."""
         self._planned[request_id] = curve
 
-    def running(self) -> None:
-        """The step just launched runs on while the next is planned (overlap)."""
+    def running(self, plan: StepPlan) -> None:
+        """``plan``'s step runs on while the next is planned (overlap); a drafter
+        ``on_device`` drafts behind it when it proposes."""
         self.in_flight = True
+        self.drafting = self.on_device and plan.propose
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Take in a step's outcome: next proposals, times, kept drafts."""
-        self.in_flight = False
+        self.in_flight = self.drafting = False
         counters = self.counters
         self.fresh = bool(result.proposals)
         for rid, proposal in result.proposals.items():

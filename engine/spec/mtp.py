@@ -81,11 +81,20 @@ class MTPDrafter(Drafter):
         drafting request from its last real row (module docstring), all queued."""
         from engine.runner import step_inputs
 
-        rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
-                               False) for c in step.chunks]  # fmt: skip
-        inputs, _ = step_inputs(rows, self.block_size, self.device)
-        n = inputs.positions.shape[0]
-        stream = self._layer(step.next_ids, inputs.positions, inputs.meta, step.hidden[:n])
+        chunks = step.chunks
+        n = sum(c.num_tokens for c in chunks)
+        if step.shift is None:
+            rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
+                                   False) for c in chunks]  # fmt: skip
+            inputs, _ = step_inputs(rows, self.block_size, self.device)
+            positions, meta = inputs.positions, inputs.meta
+        else:  # decode rows whose positions the device knows: one row a sequence
+            planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
+            positions = host_to_device(planned, self.device) - step.shift[:n]
+            tables = _tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+            meta = AttentionMetadata.one_token_each(tables, positions, planned.tolist(),
+                                                    self.block_size)  # fmt: skip
+        stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
         ids = [r.request_id for r in step.requests]
         if not ids:
             return Drafting([], Chained(0, []))
@@ -95,9 +104,7 @@ class MTPDrafter(Drafter):
                        min(len(r.block_ids) * self.block_size, self._max_len))
             for j, (r, bound) in enumerate(zip(step.requests, step.bounds))
         ]  # fmt: skip
-        tables = np.zeros((len(ids), max(len(r.block_ids) for r in step.requests)), np.int32)
-        for j, r in enumerate(step.requests):
-            tables[j, : len(r.block_ids)] = r.block_ids
+        tables = _tables([r.block_ids for r in step.requests])
 
         def forward(active: list[int], tokens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
             index = host_to_device(np.array(active, dtype=np.int64), tokens.device)
@@ -131,3 +138,11 @@ class MTPDrafter(Drafter):
 
     def _logits(self, stream: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.layer.shared_head["norm"](stream))
+
+
+def _tables(block_ids: list[list[int]]) -> np.ndarray:
+    """Block tables as the rows of one array, padded with the null block."""
+    tables = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
+    for row, blocks in zip(tables, block_ids):
+        row[: len(blocks)] = blocks
+    return tables

@@ -216,7 +216,7 @@ def test_under_overlap_only_a_plan_made_while_a_step_runs_prices_the_total_from_
     for n, in_flight in ((3, True), (5, True), (3, True), (5, False)):
         spec._proposals["r0"] = Proposal(req.num_tokens, [1] * n, [0.9] * n)
         if in_flight:
-            spec.running()  # else the outcome of the last step is in: observed
+            spec.running(StepPlan([]))  # else the outcome of the last step is in: observed
         else:
             spec.observe(StepPlan([]), StepResult({}))
         spec.lengths([spec.drafts_for(req, 5)], 1, 1)
