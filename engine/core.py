@@ -19,7 +19,7 @@ import torch
 
 from engine.attention import build_backend
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
-from engine.cuda_graphs import CPU_BUCKETS
+from engine.cuda_graphs import CPU_BUCKETS, DEFAULT_BUCKETS
 from engine.ep.experts import ExpertParallel
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
@@ -171,7 +171,7 @@ class EngineCore:
         captured (on the CPU, never)."""
         sched = self.config.scheduler
         steps = warm_up_steps(config.device, sched, self.max_model_len) if experts is None else ()
-        graphs = pieces = None
+        graphs = pieces = drafts = None
         device = torch.device(config.device).type
         decodes = self.scheduler.decodes  # a prefill worker's steps are never decode steps
         if device == "cpu" and not config.enforce_eager and experts is None and decodes:
@@ -184,13 +184,17 @@ class EngineCore:
             elif decodes:
                 log.info("decode steps run eagerly: the %s cannot be captured",
                          type(experts.dispatcher).__name__)  # fmt: skip
+            drafter = self.runner.drafter
+            if decodes and experts is None and drafter is not None:
+                drafts = drafter.capture_graphs(self._draft_rows(sched), self.max_model_len,
+                                                capture=False)  # fmt: skip
             tokens = min(config.piecewise_graph_tokens, sched.max_num_batched_tokens)
             if experts is None and tokens > 0:  # a group's exchange stays out of the pieces
                 pieces = self.runner.capture_piecewise_graphs(tokens, capture=False)
         started, compiled = time.perf_counter(), compile_seconds()
         with parallel_builds():
             self.runner.warm_up_forwards(steps)
-            for padded in (graphs, pieces):
+            for padded in (graphs, pieces, drafts):
                 if padded is not None:
                     padded.dry_run()
         self.runner.warm_up_forwards(steps)
@@ -201,7 +205,15 @@ class EngineCore:
             spec.graphs(max(graphs.sizes))
         if pieces is not None:
             pieces.capture()
+        if drafts is not None:
+            drafts.capture()
         self.startup["graphs"] = time.perf_counter() - captured - (compile_seconds() - compiled)
+
+    def _draft_rows(self, sched: SchedulerConfig) -> int:
+        """The most rows the drafter's graphs take: a verify step's, each request its
+        token and every draft (the drafter's forward over the step it follows), within
+        what the decode graphs hold."""
+        return min(sched.max_num_seqs * (1 + self.scheduler.spec.max_draft), DEFAULT_BUCKETS[-1])
 
     def _encoder(self, model: torch.nn.Module) -> VisionEncoder | None:
         """The vision encoder of a model built with its tower (None: text only, or the

@@ -225,8 +225,8 @@ class DecodeGraphs(Buckets):
         bs = self.block_size
         host64[2, :n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         host64[2, n:] = NULL_SLOT
-        _copy_in(bucket.int64, host64)
-        _copy_in(bucket.int32, host32)
+        copy_in(bucket.int64, host64)
+        copy_in(bucket.int32, host32)
         if self.resolve_inputs is not None:
             self.resolve_inputs(bucket.int64[0], bucket.int64[1], bucket.meta, host64[0],
                                 [c.request_id for c in chunks])  # fmt: skip
@@ -392,7 +392,7 @@ def _is_view(func) -> bool:
     return bool(returns) and returns[0].alias_info is not None
 
 
-def _copy_in(dst: torch.Tensor, host: np.ndarray) -> None:
+def copy_in(dst: torch.Tensor, host: np.ndarray) -> None:
     """Host array → device buffer; on CUDA from pinned memory, without waiting."""
     src = torch.from_numpy(host)
     if dst.is_cuda:

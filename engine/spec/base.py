@@ -182,6 +182,11 @@ class Drafter:
         """Queue the drafts of ``step.requests`` (an ``on_device`` drafter has this)."""
         raise NotImplementedError
 
+    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True):
+        """Replay the drafter's forwards from CUDA graphs from now on, where it has some
+        (``engine.spec.graphs``); returns them (their ``dry_run``, ``capture``), or None."""
+        return None
+
     def kv_layers(self) -> int:
         """Layers the drafter adds to the target's KV cache (carried with its blocks:
         prefix cache, tiers, transfers); 0 when it keeps its KV elsewhere or has none."""

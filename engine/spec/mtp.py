@@ -40,6 +40,7 @@ from engine.config import SpeculativeConfig
 from engine.plan import ScheduledChunk
 from engine.spec.base import Drafter, Drafting, LaunchStep
 from engine.spec.chain import Chained, ChainStart, launch_chain
+from engine.spec.graphs import RowGraphs
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class MTPDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.block_size = 0
         self._max_len = model.config.max_position_embeddings
+        self.graphs: RowGraphs | None = None
 
     def kv_layers(self) -> int:
         return 1
@@ -83,18 +85,28 @@ class MTPDrafter(Drafter):
 
         chunks = step.chunks
         n = sum(c.num_tokens for c in chunks)
-        if step.shift is None:
+        end = max(c.end_pos for c in chunks)
+        graphs = self.graphs
+        decode = all(c.is_decode for c in chunks)
+        if step.shift is not None or (graphs is not None and decode):
+            # decode rows: one row a sequence, positions known on the device (moved back
+            # by ``shift`` when the step was planned before the one before it was known)
+            planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
+            positions = host_to_device(planned, self.device)
+            if step.shift is not None:
+                positions = positions - step.shift[:n]
+            tables = _tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+            if graphs is not None and graphs.accepts(n, end):
+                stream = graphs.run(step.next_ids, positions, step.hidden[:n], tables)
+            else:
+                meta = AttentionMetadata.one_token_each(tables, positions, planned.tolist(),
+                                                        self.block_size)  # fmt: skip
+                stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
+        else:
             rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
                                    False) for c in chunks]  # fmt: skip
             inputs, _ = step_inputs(rows, self.block_size, self.device)
-            positions, meta = inputs.positions, inputs.meta
-        else:  # decode rows whose positions the device knows: one row a sequence
-            planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-            positions = host_to_device(planned, self.device) - step.shift[:n]
-            tables = _tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
-            meta = AttentionMetadata.one_token_each(tables, positions, planned.tolist(),
-                                                    self.block_size)  # fmt: skip
-        stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
+            stream = self._layer(step.next_ids, inputs.positions, inputs.meta, step.hidden[:n])
         ids = [r.request_id for r in step.requests]
         if not ids:
             return Drafting([], Chained(0, []))
@@ -110,9 +122,13 @@ class MTPDrafter(Drafter):
             index = host_to_device(np.array(active, dtype=np.int64), tokens.device)
             positions = host_to_device(np.array(bounds, dtype=np.int64), tokens.device)
             positions = positions - step.back[index]  # where the drafts really go
-            meta = AttentionMetadata.one_token_each(tables[active], positions, bounds,
-                                                    self.block_size)  # fmt: skip
-            out = self._layer(tokens, positions, meta, state["hidden"][index])
+            prev = state["hidden"][index]
+            if graphs is not None and graphs.accepts(len(active), max(bounds) + 1):
+                out = graphs.run(tokens, positions, prev, tables[active])
+            else:
+                meta = AttentionMetadata.one_token_each(tables[active], positions, bounds,
+                                                        self.block_size)  # fmt: skip
+                out = self._layer(tokens, positions, meta, prev)
             full = state["hidden"].clone()
             full[index] = out
             state["hidden"] = full
@@ -122,6 +138,14 @@ class MTPDrafter(Drafter):
                                self.model.config.vocab_size)  # fmt: skip
         chained.start_copy()
         return Drafting(ids, chained)
+
+    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True) -> RowGraphs:
+        """From now on, the layer's calls over one-token rows (up to ``max_rows``, within
+        ``max_seq_len``) replay CUDA graphs (``engine.spec.graphs``; ``capture=False``:
+        the same buffers, run eagerly)."""
+        self.graphs = RowGraphs(self._layer, self.model, self.backend, self.block_size,
+                                max_rows, min(max_seq_len, self._max_len), capture)  # fmt: skip
+        return self.graphs
 
     def _layer(
         self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

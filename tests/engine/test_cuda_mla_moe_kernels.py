@@ -161,12 +161,11 @@ def test_a_mixed_steps_short_sequences_through_the_kernel_match_the_math_kernel(
     assert ((mixed - math).norm() / math.norm()).item() < 1e-2
 
 
-def test_mtp_steps_planned_before_the_verify_step_before_them_match_serial_steps():
-    """Under overlap a step after a verify step is planned before its outcome: the device
-    places its rows after the tokens kept (positions, context lengths, KV slots in the
-    decode graphs' buffers) and feeds it the drafts made behind that step. Its tokens and
-    drafts are those of the same engine collecting every step before planning the next
-    (the random MTP layer's drafts are mostly rejected: every step moves rows back)."""
+def mtp_run(overlap: bool, graphed: bool) -> tuple[list, list, int]:
+    """The kernel-wide model with one random MTP layer, three drafts every step, greedy:
+    the outputs of three prompts, every draft proposed, and how many steps were planned
+    while a step that verifies drafts ran. ``graphed`` False drops the drafter's CUDA
+    graphs after start-up (its rows then run eagerly)."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from engine.llm import LLM
     from engine.loader import dummy
@@ -176,37 +175,59 @@ def test_mtp_steps_planned_before_the_verify_step_before_them_match_serial_steps
     )
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (5, 130, 33)]
-    runs = []
-    for overlap in (True, False):
-        llm = LLM(EngineConfig(
-            model="dummy:deepseek-v3-kernel-wide-mtp", device="cuda", dtype="bfloat16",
-            cache=CacheConfig(block_size=BLOCK, num_blocks=64),
-            scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=2048),
-            speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3,
-                                          schedule="fixed"),
-            overlap_scheduling=overlap,
-        ))  # fmt: skip
-        core, early, drafts = llm.core, [0], []
-        step, finish = core.step, core.runner.finish
+    llm = LLM(EngineConfig(
+        model="dummy:deepseek-v3-kernel-wide-mtp", device="cuda", dtype="bfloat16",
+        cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=2048),
+        speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3, schedule="fixed"),
+        overlap_scheduling=overlap,
+    ))  # fmt: skip
+    core = llm.core
+    assert core.runner.drafter.graphs is not None and core.runner.drafter.graphs.captured
+    if not graphed:
+        core.runner.drafter.graphs = None
+    early, drafts = [0], []
+    step, finish = core.step, core.runner.finish
 
-        def counted(step=step, early=early, core=core):
-            out = step()
-            early[0] += core._inflight is not None and core._inflight[0].num_draft_tokens > 0
-            return out
+    def counted():
+        out = step()
+        early[0] += core._inflight is not None and core._inflight[0].num_draft_tokens > 0
+        return out
 
-        def recorded(launched, finish=finish, drafts=drafts):
-            result = finish(launched)
-            drafts += [t for _, p in sorted(result.proposals.items()) for t in p.token_ids]
-            return result
+    def recorded(launched):
+        result = finish(launched)
+        drafts.extend(t for _, p in sorted(result.proposals.items()) for t in p.token_ids)
+        return result
 
-        core.step, core.runner.finish = counted, recorded
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        outputs = [r.token_ids for r in llm.generate(prompts, params)]
-        core.check_integrity()
-        assert core.kv.pool.num_free == core.kv.pool.num_usable
-        runs.append((outputs, drafts, early[0]))
-        del llm, core
-    (overlapped, overlapped_drafts, early), (serial, serial_drafts, never) = runs
+    core.step, core.runner.finish = counted, recorded
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = [r.token_ids for r in llm.generate(prompts, params)]
+    core.check_integrity()
+    assert core.kv.pool.num_free == core.kv.pool.num_usable
+    return outputs, drafts, early[0]
+
+
+def test_mtp_steps_planned_before_the_verify_step_before_them_match_serial_steps():
+    """Under overlap a step after a verify step is planned before its outcome: the device
+    places its rows after the tokens kept (positions, context lengths, KV slots in the
+    decode graphs' buffers) and feeds it the drafts made behind that step. Its tokens and
+    drafts are those of the same engine collecting every step before planning the next
+    (the random MTP layer's drafts are mostly rejected: every step moves rows back)."""
+    overlapped, overlapped_drafts, early = mtp_run(overlap=True, graphed=True)
+    serial, serial_drafts, never = mtp_run(overlap=False, graphed=True)
     assert early > 5 and never == 0
     assert overlapped == serial
     assert overlapped_drafts == serial_drafts
+
+
+def test_mtp_drafts_through_the_drafters_graphs_match_its_eager_drafts():
+    """The MTP layer's one-token rows (a verify step's, each chained draft's) replayed
+    from its CUDA graphs, against the same engine with those graphs dropped: the same
+    greedy outputs (drafts never change them) and, but for a rare near-tie that rounding
+    settles the other way, the same drafts."""
+    graphed_out, graphed_drafts, _ = mtp_run(overlap=True, graphed=True)
+    eager_out, eager_drafts, _ = mtp_run(overlap=True, graphed=False)
+    assert graphed_out == eager_out
+    same = sum(a == b for a, b in zip(graphed_drafts, eager_drafts))
+    assert len(graphed_drafts) == len(eager_drafts) > 0
+    assert same >= 0.9 * len(eager_drafts), (same, len(eager_drafts))

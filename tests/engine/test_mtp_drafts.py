@@ -112,11 +112,13 @@ def successor(tiny_moe_dir):
 
 
 def proposals(
-    folder, prompts: list[list[int]], max_tokens: int, overlap: bool = False
-) -> list[tuple[list, list]]:
+    folder, prompts: list[list[int]], max_tokens: int, overlap: bool = False,
+    padded: bool = False,
+) -> list[tuple[list, list]]:  # fmt: skip
     """Per prompt (one at a time, K drafts, fixed schedule): prompt + output, and every
     proposal the engine's MTP drafter made for it, the first right after the prefill, the
-    next ones after each verify step."""
+    next ones after each verify step. ``padded``: the drafter's one-token rows go through
+    its graphs' padded buffers (run eagerly: ``engine.spec.graphs``)."""
     llm = LLM(EngineConfig(
         model=str(folder), num_threads=1, cache=CacheConfig(block_size=4, num_blocks=200),
         scheduler=SchedulerConfig(max_num_batched_tokens=64), overlap_scheduling=overlap,
@@ -124,6 +126,8 @@ def proposals(
                                       schedule="fixed"),
     ))  # fmt: skip
     runner = llm.core.runner
+    if padded:
+        runner.drafter.capture_graphs(4, 256, capture=False)  # 1, 2, 4 rows
     finish, seen = runner.finish, []
 
     def recorded(launched):
@@ -171,15 +175,21 @@ def test_mtp_drafts_and_confidences_match_deepseeks_definition(folder):
         assert_as_defined(reference, tokens, made)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_mtp_drafts_after_kept_drafts_match_deepseeks_definition(successor, overlap):
+@pytest.mark.parametrize(
+    ("overlap", "padded"), [(False, False), (True, False), (False, True), (True, True)],
+    ids=["serial", "overlap", "padded-rows", "overlap-padded-rows"],
+)  # fmt: skip
+def test_mtp_drafts_after_kept_drafts_match_deepseeks_definition(successor, overlap, padded):
     """With most drafts kept, each next proposal starts right past the kept ones (every
     proposal is verified whole: fixed schedule, one request) and is still the reference's:
     the layer's KV of the kept drafts and the hidden states it starts from are the
     target's. Under overlap a proposal one step old is verified after the unresolved
-    token, so it is checked against the reference only."""
+    token, so it is checked against the reference only. Through the padded rows of the
+    drafter's graphs the same holds (the verify step's four rows fill a bucket of 4, the
+    chain's one a bucket of 1: the null block takes the padding's KV)."""
     reference = ReferenceMTP(successor)
-    runs = proposals(successor, SUCCESSOR_PROMPTS, max_tokens=4 * K + 4, overlap=overlap)
+    runs = proposals(successor, SUCCESSOR_PROMPTS, max_tokens=4 * K + 4, overlap=overlap,
+                     padded=padded)  # fmt: skip
     for tokens, made in runs:
         assert made[0].start == len(tokens) - 4 * K - 3  # right after the prefill's token
         counts = [kept(p, tokens) for p in made]
