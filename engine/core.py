@@ -364,11 +364,11 @@ class EngineCore:
 
         With overlap scheduling the device never waits for the host between steps: a
         step whose requests can all go on before their tokens are known (no grammar, no
-        penalty or min_tokens that reads the outputs, not prefill-only) is left running,
-        and the next ``step`` plans and launches its successor — whose input tokens come
-        from that step's output on the device — before it collects it. A request that
-        the collected token ends has then run one step too many; that step's token is
-        dropped.
+        penalty or min_tokens that reads the outputs, not prefill-only; with drafts only
+        as ``_can_run_on`` says) is left running, and the next ``step`` plans and
+        launches its successor — whose input tokens come from that step's output on the
+        device — before it collects it. A request that the collected tokens end has then
+        run one step too many; that step's tokens are dropped.
         """
         if self.grammars and not self.scheduler.has_work and self._inflight is None:
             self.grammars.wait(_GRAMMAR_POLL_S)

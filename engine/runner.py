@@ -21,7 +21,12 @@ its own over the sequence's block table (context up to that token), so verify st
 the decode path of every attention backend and replay the decode CUDA graphs by bucket
 of rows. After the step's tokens are known the ``Drafter`` (``engine.spec``) proposes the
 next drafts; they come back in ``StepResult.proposals``, cut where a request's grammar
-would reject one.
+would reject one. A drafter ``on_device`` drafts in ``launch`` instead, right behind the
+verification, from the tokens on the device; its drafts come back with the step's. The
+step after it may then be planned before its outcome: its placeholders (the token after
+the kept drafts, the drafts made behind the step) are filled in on the device, where its
+rows are moved back by the drafts rejected (``resolve_inputs``). The drafts a verify step
+checks are read from its own input tokens on the device.
 Images (``NewRequest.media``): a chunk that covers an image's placeholder tokens takes
 their embeddings from ``embeddings(request_id)`` (one tensor per image, in order) and
 hands them to the model as ``Spliced`` rows; a model whose ``rope_table`` places a

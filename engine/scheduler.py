@@ -15,6 +15,8 @@ and the free blocks (drafts never preempt anyone). ``update`` then keeps the tok
 runner accepted, applying the stop rules token by token, and gives back the blocks that
 held only rejected drafts (``KVCacheManager.truncate``). A model drafter writes its own
 KV a few positions past a step's tokens: a sampling chunk's blocks cover that lookahead.
+Under overlap a verify step may be assumed at its longest (``assume_sampled``) while the
+next is planned; ``update`` then drops what it did not yield and moves the request back.
 
 A request that asks for prompt logprobs skips the prefix-cache match until it has its
 first token: every prompt position must run through the model for its logprobs (the

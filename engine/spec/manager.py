@@ -14,16 +14,20 @@ one before runs: the request then ends in one token still unresolved, and the la
 proposal is one step old, its first draft a guess for that token. The drafts after it are
 still usable — the verifier is exact whatever it is given — with the survival curve moved
 by one (the first draft must have been right for the others to be kept). So no plan waits
-for the step in flight; what waits is the plan after a step that verified drafts, since
-it must know how many were kept to place its tokens.
+for the step in flight; with a host drafter what waits is the plan after a step that
+verified drafts, since it must know how many were kept to place its tokens. A drafter
+``on_device`` drafts behind the step in flight (``drafting``): the plan verifies those
+drafts, placeholders here (``unresolved_draft``) priced by the request's latest curve,
+and the device places the step after the tokens really kept (``engine.runner``), so that
+plan does not wait either.
 
 Host time. Under overlap a step without drafts is planned while the one before runs, so
 the host's work per step (planning, launching, folding tokens back) is hidden; after a
-step that verifies drafts the device waits for it once. ``host_time`` takes each step's
-host work from the engine and the policy counts its median against verifying any draft
-(without overlap, against every step: none is hidden). ``graphs`` says up to how many
-rows the runner replays decode steps from CUDA graphs (the cost model prices those flat
-inside a bucket).
+step that verifies drafts of a host drafter the device waits for it once. ``host_time``
+takes each step's host work from the engine and the policy counts its median against
+verifying any draft (without overlap, against every step: none is hidden). ``graphs``
+says up to how many rows the runner replays decode steps from CUDA graphs (the cost
+model prices those flat inside a bucket).
 
 Lagged statistics. With overlap the policy sizes the total from the curves the requests
 had at the previous plan and ranks requests by the latest ones — the source report's rule
