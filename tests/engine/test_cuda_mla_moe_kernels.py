@@ -161,11 +161,12 @@ def test_a_mixed_steps_short_sequences_through_the_kernel_match_the_math_kernel(
     assert ((mixed - math).norm() / math.norm()).item() < 1e-2
 
 
-def mtp_run(overlap: bool, graphed: bool) -> tuple[list, list, int]:
-    """The kernel-wide model with one random MTP layer, three drafts every step, greedy:
-    the outputs of three prompts, every draft proposed, and how many steps were planned
-    while a step that verifies drafts ran. ``graphed`` False drops the drafter's CUDA
-    graphs after start-up (its rows then run eagerly)."""
+MTP_PROMPT_LENGTHS = (5, 130, 33)
+
+
+def mtp_engine(overlap: bool):
+    """The kernel-wide model with one random MTP layer, three drafts every step (an
+    ``LLM``), and three prompts."""
     from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from engine.llm import LLM
     from engine.loader import dummy
@@ -174,7 +175,7 @@ def mtp_run(overlap: bool, graphed: bool) -> tuple[list, list, int]:
         KERNEL_WIDE, name="dummy-deepseek-v3-kernel-wide-mtp", num_mtp_layers=1
     )
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (5, 130, 33)]
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in MTP_PROMPT_LENGTHS]
     llm = LLM(EngineConfig(
         model="dummy:deepseek-v3-kernel-wide-mtp", device="cuda", dtype="bfloat16",
         cache=CacheConfig(block_size=BLOCK, num_blocks=64),
@@ -182,6 +183,14 @@ def mtp_run(overlap: bool, graphed: bool) -> tuple[list, list, int]:
         speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=3, schedule="fixed"),
         overlap_scheduling=overlap,
     ))  # fmt: skip
+    return llm, prompts
+
+
+def mtp_run(overlap: bool, graphed: bool) -> tuple[list, list, int]:
+    """``mtp_engine``'s greedy outputs, every draft proposed, and how many steps were
+    planned while a step that verifies drafts ran. ``graphed`` False drops the drafter's
+    CUDA graphs after start-up (its rows then run eagerly)."""
+    llm, prompts = mtp_engine(overlap)
     core = llm.core
     assert core.runner.drafter.graphs is not None and core.runner.drafter.graphs.captured
     if not graphed:
@@ -231,3 +240,29 @@ def test_mtp_drafts_through_the_drafters_graphs_match_its_eager_drafts():
     same = sum(a == b for a, b in zip(graphed_drafts, eager_drafts))
     assert len(graphed_drafts) == len(eager_drafts) > 0
     assert same >= 0.9 * len(eager_drafts), (same, len(eager_drafts))
+
+
+def test_a_step_planned_before_the_verify_step_before_it_launches_without_waiting():
+    """Launching a step whose input tokens and drafts the step before left on the device
+    (and whose rows the device moves back by that step's rejected drafts) never waits for
+    the device: the forward, the verification and the drafting behind it only queue work
+    (``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronising call)."""
+    llm, prompts = mtp_engine(overlap=True)
+    runner, guarded = llm.core.runner, [0]
+    launch = runner.launch
+
+    def checked(plan):
+        if not any(t <= -2 for c in plan.chunks for t in c.token_ids):  # no drafts placeholder
+            return launch(plan)
+        guarded[0] += 1
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    runner.launch = checked
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate(prompts, params)
+    assert guarded[0] > 5
