@@ -21,7 +21,9 @@ weights; what changes is that the right draft is known. ``RatesDrafter`` propose
 given per-position acceptance rates: at position j its draw keeps the draft with
 probability ``rates[j]`` given the drafts before it were kept (a kept draft is token 0; the
 first rejected one is token 1), and it reports ``rates`` as its confidence, the calibrated
-drafter the dynamic policy assumes. The verifier is the engine's own.
+drafter the dynamic policy assumes. The verifier is the engine's own. It drafts on the
+device behind each step, as the MTP layer does, so the step after a verify step is planned
+before its outcome (``--host-drafter``: on the host after each step, and that step waits).
 
 One ``EngineCore`` (weights, KV cache and CUDA graphs once) runs every arm: an arm is its
 own ``SpecDecoding`` (its policy, cost model and realized-gain guard kept across points,
@@ -65,17 +67,21 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench.common import machine_info
 from bench.spec_decode import Job, arms, plot, run_arms, run_load
 from engine import heap
+from engine.attention.base import host_to_device
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.llm import LLM
 from engine.plan import StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.spec import Drafter, DraftStep, Proposal, register_drafter
+from engine.spec.base import Drafting, LaunchStep
+from engine.spec.chain import Chained
 from engine.spec.manager import SpecDecoding
 from engine.spec.ngram import NgramDrafter
 
@@ -85,18 +91,30 @@ RIGHT, WRONG = 0, 1  # the token a model of zero logits picks greedily (ties: th
 class RatesDrafter(Drafter):
     """Drafts kept with given per-position rates (module docstring). Its draws are a hash of
     (request id, position, draft index), so every arm sees the same, at ~1 us a draw (a
-    seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests)."""
+    seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests).
+
+    ``on_device`` (the default): it drafts on the device behind each step, as the MTP
+    layer does (``Drafter.launch``), from the positions the device knows, so the step
+    after a verify step is planned before its outcome; False: on the host after each step
+    (``propose``), and that step waits. The draws are the same either way."""
 
     name = "rates"
     sees_every_step = False
 
-    def __init__(self, rates: Sequence[float]) -> None:
+    def __init__(self, rates: Sequence[float], on_device: bool = True) -> None:
         super().__init__(len(rates))
         self.rates = list(rates)
+        self.on_device = on_device
         self._keys: dict[str, int] = {}
 
     def drop(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
+
+    def _key(self, request_id: str) -> int:
+        key = self._keys.get(request_id)
+        if key is None:
+            key = self._keys[request_id] = zlib.crc32(request_id.encode()) % _PRIME
+        return key
 
     def propose(self, step: DraftStep) -> dict[str, Proposal]:
         out = {}
@@ -105,27 +123,55 @@ class RatesDrafter(Drafter):
             if n <= 0:
                 continue
             start = len(r.token_ids)
-            key = self._keys.get(r.request_id)
-            if key is None:
-                key = self._keys[r.request_id] = zlib.crc32(r.request_id.encode()) << 32
+            key = self._key(r.request_id)
             tokens = [RIGHT] * n
             for j in range(n):
-                if _uniform(key ^ start, j) >= self.rates[j]:
+                if _uniform(key, start, j) >= self.rates[j]:
                     tokens[j] = WRONG
                     break
             out[r.request_id] = Proposal(start, tokens, self.rates[:n])
         return out
 
+    def launch(self, step: LaunchStep) -> Drafting:
+        ids = [r.request_id for r in step.requests]
+        if not ids:
+            return Drafting([], Chained(0, []))
+        device = step.next_ids.device
+        keys = host_to_device(np.array([self._key(rid) for rid in ids], dtype=np.int64), device)
+        # the index of each request's first draft: past its last token, as the device has it
+        start = host_to_device(np.array(step.bounds, dtype=np.int64), device) - step.back + 1
+        rooms = [min(r.num_draft, self.max_draft) for r in step.requests]
+        width = max(rooms)
+        j = torch.arange(width, device=device)
+        rates = torch.tensor(self.rates[:width], device=device)
+        fails = _uniform(keys[:, None], start[:, None], j[None, :]) >= rates
+        first_fail = fails & (fails.long().cumsum(1) == 1)
+        tokens = torch.where(first_fail, WRONG, RIGHT)
+        conf = rates.expand(len(ids), width)
+        depths = []
+        for depth in range(width):
+            rows = [d for d, room in enumerate(rooms) if room > depth]
+            index = host_to_device(np.array(rows, dtype=np.int64), device)
+            depths.append((rows, tokens[index, depth], conf[index, depth]))
+        chained = Chained(len(ids), depths)
+        chained.start_copy()
+        return Drafting(ids, chained)
 
-_MASK = (1 << 64) - 1
+
+_PRIME = (1 << 31) - 1  # the hash's modulus: every product of two of its values fits int64
 
 
-def _uniform(key: int, j: int) -> float:
-    """A uniform in [0, 1) from ``key`` and ``j`` (splitmix64's finaliser)."""
-    z = (key + (j + 1) * 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return (z ^ (z >> 31)) / 2.0**64
+def _uniform(key, start, j):
+    """A uniform in [0, 1) from ``key``, ``start`` and ``j`` (host ints, or device tensors
+    that broadcast): a few rounds of xor-shift and multiply modulo a 31-bit prime, in
+    integers below 2^62, so the host and the device draw the same."""
+    x = (key + start * 40503 + (j + 1) * 69069) % _PRIME
+    for _ in range(3):
+        x = x ^ (x >> 13)
+        x = (x * 48271) % _PRIME
+        x = x ^ (x >> 7)
+        x = (x * 16807 + 12345) % _PRIME
+    return x / _PRIME
 
 
 def use(core: EngineCore, spec: SpecDecoding, drafter: Drafter | None) -> EngineCore:
@@ -177,7 +223,8 @@ TRACE_FIELDS = ["arm", "point", "tokens", "drafts", "yielded", "interval_s", "de
 
 def arm_cores(core: EngineCore, drafter: Drafter, method: str) -> dict[str, Callable]:
     """Arm name -> readies ``core`` for that arm, each arm its own ``SpecDecoding``."""
-    specs = {a.name: TracedSpecDecoding(a.speculative, 0, lagged=core.overlap, arm=a.name)
+    specs = {a.name: TracedSpecDecoding(a.speculative, 0, lagged=core.overlap, arm=a.name,
+                                        on_device=drafter.on_device)
              for a in arms(method)}  # fmt: skip
     runs = {name: (lambda s=s: use(core, s, drafter)) for name, s in specs.items()}
     for name, spec in specs.items():
@@ -296,6 +343,9 @@ def main() -> None:
         default=440.0,
         help="points not started this long after start are skipped",
     )
+    ap.add_argument("--host-drafter", action="store_true",
+                    help="draft on the host after each step (the step after a verify step "
+                         "then waits for its outcome) instead of on the device")
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_h200.json"))
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -317,7 +367,8 @@ def main() -> None:
     log(f"check, dummy:tiny on the CPU in float32: {result['check_tiny']}")
     save()
 
-    register_drafter("rates", lambda config, target, device, dtype: RatesDrafter(rates))
+    register_drafter("rates", lambda config, target, device, dtype: RatesDrafter(
+        rates, on_device=not args.host_drafter))  # fmt: skip
     try:
         core = _engine(args, rates, max(concurrencies))
     except Exception as exc:  # noqa: BLE001 - nothing to time without it: said, then out

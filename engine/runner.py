@@ -678,7 +678,7 @@ class ModelRunner:
         """Queue an ``on_device`` drafter's drafts behind the step (``LaunchStep``): every
         sampling chunk's request that may verify drafts next drafts, as far as its room
         allows before this step's tokens (the proposal is cut to the room they leave)."""
-        assert self.drafter is not None and launched.hidden is not None
+        assert self.drafter is not None
         plan, chunks = launched.plan, launched.plan.chunks
         next_ids = np.zeros(sum(c.num_tokens for c in chunks), dtype=np.int64)
         sampled_rows: list[int] = []  # the plain chunks' last rows, then the verified rows

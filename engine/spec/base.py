@@ -103,9 +103,10 @@ class LaunchStep:
     """A step just queued on the device, as an ``on_device`` drafter sees it.
 
     ``hidden``: the target's final hidden states, a row per token of ``chunks`` in order
-    (more rows may follow: padding); ``next_ids``: the token that follows each row, on the
-    device (a row past a verify chunk's kept drafts holds some token: its KV is written
-    again before anything attends to it). ``requests`` draft: ``num_draft`` is at most
+    (more rows may follow: padding; None unless the drafter ``needs_hidden``);
+    ``next_ids``: the token that follows each row, on the device (a row past a verify
+    chunk's kept drafts holds some token: its KV is written again before anything attends
+    to it). ``requests`` draft: ``num_draft`` is at most
     what each may verify next (the runner cuts the proposal to its room once the step's
     tokens are known). Per request, on the device: ``last_rows``, the row of its last
     real token (its chunk's input token or last kept draft), and ``back``, how many
@@ -117,7 +118,7 @@ class LaunchStep:
     """
 
     chunks: list[ScheduledChunk]
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     next_ids: torch.Tensor
     requests: list[DraftRequest]
     last_rows: torch.Tensor
