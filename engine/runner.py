@@ -61,6 +61,7 @@ from engine.attention.base import (
     AttentionMetadata,
     ForwardContext,
     host_to_device,
+    padded_tables,
 )
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
@@ -516,12 +517,12 @@ class ModelRunner:
         offsets = [self.states[c.request_id].rope_offset(c.start_pos) for c in chunks]
         if (self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows)
                 and None not in offsets):  # fmt: skip
-            if not any(c.sample for c in chunks):
-                return torch.empty(0), None
             logits = self.graphs.run(chunks, offsets if any(offsets) else None)
             self.num_forwards += 1
             hidden = self.graphs.hidden(len(chunks))
             self._ids = self.graphs.input_ids(len(chunks))
+            if not any(c.sample for c in chunks):
+                return torch.empty(0), hidden
             if all(c.sample for c in chunks):
                 return logits[: len(chunks)], hidden
             rows = [i for i, c in enumerate(chunks) if c.sample]
@@ -721,8 +722,12 @@ class ModelRunner:
         if self._shift is not None and requests:  # moved back by the step before's rejects
             back += self._shift[_rows(last_rows, device)]
         step = LaunchStep(chunks, launched.hidden, ids, requests, _rows(last_rows, device) + kept,
-                          back, bounds, self._shift)  # fmt: skip
+                          back, bounds, self._shift, self._ids, self._context)  # fmt: skip
         return self.drafter.launch(step)
+
+    def _context(self, request_id: str) -> list[int]:
+        """The request's tokens as the host knows them (prompt and outputs recorded)."""
+        return self.states[request_id].token_ids()
 
     def _collect_drafts(self, drafting: Drafting, ended: frozenset[str]) -> dict[str, Proposal]:
         """The proposals of drafts made on the device, for the requests that go on, each
@@ -827,10 +832,7 @@ def step_inputs(
     query_lens = [c.num_tokens for c in chunks]
     seq_lens = [c.end_pos for c in chunks]
     positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-    max_blocks = max(len(c.block_ids) for c in chunks)
-    tables = np.zeros((len(chunks), max_blocks), dtype=np.int32)
-    for i, c in enumerate(chunks):
-        tables[i, : len(c.block_ids)] = c.block_ids
+    tables = padded_tables([c.block_ids for c in chunks])
     owner = np.repeat(np.arange(len(chunks)), query_lens)
     slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
     cu = np.zeros(len(chunks) + 1, dtype=np.int32)

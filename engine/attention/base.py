@@ -178,6 +178,14 @@ class TokenRows:
         )
 
 
+def padded_tables(block_ids: list[list[int]]) -> np.ndarray:
+    """Block tables as the rows of one int32 array, padded with the null block (0)."""
+    tables = np.zeros((len(block_ids), max(map(len, block_ids), default=1)), dtype=np.int32)
+    for row, blocks in zip(tables, block_ids):
+        row[: len(blocks)] = blocks
+    return tables
+
+
 def host_to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on ``device``; to CUDA from pinned memory, without waiting."""
     tensor = torch.from_numpy(host)

@@ -28,7 +28,7 @@ verify step's tokens they write, which the scheduler keeps allocated for them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -114,7 +114,8 @@ class LaunchStep:
     after that row really is (the drafts rejected, this step's and the step before's).
     ``shift``: per row, how far before its planned position it really sits (the step was
     planned before the one before it was known: ``engine.runner``), None when none moved;
-    the step is then decode rows.
+    the step is then decode rows. ``input_ids``: the step's input tokens on the device, a
+    row per token; ``context(request_id)``: the request's tokens the host knows.
     """
 
     chunks: list[ScheduledChunk]
@@ -125,6 +126,8 @@ class LaunchStep:
     back: torch.Tensor
     bounds: list[int]
     shift: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    context: Callable[[str], Sequence[int]] = lambda request_id: ()
 
 
 @dataclass

@@ -1,19 +1,19 @@
 """Drafting by running a small model forward one token at a time, for several requests.
 
-``chain`` is what the model drafters share (``draft_model``, ``mtp``): from each request's
-logits for its first draft, take the most likely token, its confidence (the model's own
-probability of it at that position's calibration temperature), and feed it back for the
-next, until the request has its drafts or runs out of KV slots. ``forward(active,
-tokens, positions)`` is the model's one-token step for the requests still drafting
-(``tokens`` on the device, ``positions`` host ints); it writes their KV at ``positions``
-(slots the scheduler keeps for the lookahead) and returns their logits.
+``launch_chain`` is what the model drafters share (``draft_model``, ``mtp``): from each
+request's logits for its first draft, take the most likely token, its confidence (the
+model's own probability of it at that position's calibration temperature), and feed it
+back for the next, until the request has its drafts or runs out of KV slots.
+``forward(active, tokens, positions)`` is the model's one-token step for the requests
+still drafting (``tokens`` on the device, ``positions`` host ints, as planned: a drafter
+moves them back on the device where its step was planned before the one before it was
+known); it writes their KV there (slots the scheduler keeps for the lookahead) and
+returns their logits.
 
 Which requests go on at each depth depends only on their room and KV slots, known on
-the host, so the chain never waits for the device between depths: the drafts and their
-confidences come back in one copy at the end (each depth read back cost one wait for
-the device, K - 1 of them a step for K drafts). ``launch_chain`` only queues the chain
-(``Chained.to_host`` reads it back): a drafter that drafts from a step's device outputs
-queues it behind the step's own work, and the host reads it once the step is collected.
+the host, so the chain never waits for the device between depths. It only queues work:
+a drafter queues it behind the step whose outputs it drafts from, and the drafts and
+their confidences come back in one copy once that step is collected (``Chained``).
 """
 
 from __future__ import annotations
@@ -134,13 +134,3 @@ def launch_chain(
         logits = forward(active, tokens, positions)[:, :vocab_size]
     return Chained(len(starts), depths)
 
-
-def chain(
-    config: SpeculativeConfig,
-    first_logits: torch.Tensor,
-    starts: Sequence[ChainStart],
-    forward: Callable[[list[int], torch.Tensor, list[int]], torch.Tensor],
-    vocab_size: int,
-) -> list[tuple[list[int], list[float]]]:
-    """Per start: its draft tokens and their confidences (module docstring)."""
-    return launch_chain(config, first_logits, starts, forward, vocab_size).to_host()

@@ -7,14 +7,17 @@ position p sits in the same slot as its target KV. So it needs no allocator of i
 the scheduler keeps ``kv_lookahead`` (K) slots past each step's tokens for the drafts it
 feeds itself.
 
-Per request it remembers how many leading positions of its KV are right (``valid``).
-After each step it runs, in one forward for every request of the step, the tokens from
-there to the last known one (a prefill chunk's tokens; a decode's sampled token, and the
-kept drafts it had not fed itself), then, for the requests that go on, drafts K tokens
-one forward at a time (``engine.spec.chain``). A kept draft's KV was written when it was
-fed back, so the next step usually runs one token per request. A preempted request, and a
-prefix that came from the cache, a tier or another worker, is recomputed from 0: the
-draft KV in shared blocks is not trusted (rewriting it with the same tokens is harmless).
+It drafts on the device (``Drafter.on_device``), right behind each step, before anything
+is read back. In one forward it runs the step's rows with the step's own input tokens as
+the device has them (a prefill chunk's tokens; a decode or verify chunk's input token and
+drafts), at their positions (moved back on the device where the step was planned before
+the one before it was known: ``LaunchStep.shift``). Rows past a verify chunk's kept drafts
+write KV at positions that the next step writes again before anything attends to them.
+Then, for the requests that go on, it feeds the token sampled after the kept drafts at
+its position, and drafts K tokens one forward at a time from there (``engine.spec.chain``).
+A request it has not seen yet, or one preempted since, first runs its whole context up to
+its chunk from the host's tokens: a prefix that came from the cache, a tier or another
+worker carries no draft KV to trust (rewriting it with the same tokens is harmless).
 Confidence: the draft model's probability of its token at the position's calibration
 temperature.
 """
@@ -23,14 +26,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.attention import build_backend
-from engine.attention.base import ForwardContext
+from engine.attention.base import (
+    AttentionMetadata,
+    ForwardContext,
+    host_to_device,
+    padded_tables,
+)
 from engine.config import SpeculativeConfig
 from engine.plan import NewRequest, ScheduledChunk
-from engine.spec.base import Drafter, DraftStep, Proposal
-from engine.spec.chain import ChainStart, chain
+from engine.spec.base import Drafter, Drafting, LaunchStep
+from engine.spec.chain import Chained, ChainStart, launch_chain
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
 
 class DraftModelDrafter(Drafter):
     name = "draft"
+    on_device = True
 
     def __init__(
         self, config: SpeculativeConfig, model: CausalLM, device: str, block_size: int
@@ -51,8 +61,7 @@ class DraftModelDrafter(Drafter):
         self.block_size = block_size
         self.kv_lookahead = config.max_draft
         self.cache: KVCache | None = None
-        self._valid: dict[str, int] = {}  # request -> leading positions whose KV is right
-        self._fed: dict[str, int] = {}  # request -> drafts fed back at the last proposal
+        self._fresh: set[str] = set()  # requests whose draft KV is not there yet
         self._max_len = model.config.max_position_embeddings
 
     @classmethod
@@ -87,78 +96,85 @@ class DraftModelDrafter(Drafter):
         self._max_len = min(self._max_len, max_model_len)
 
     def add(self, new: NewRequest) -> None:
-        self._valid[new.request_id] = 0
+        self._fresh.add(new.request_id)
 
     def drop(self, request_id: str) -> None:
-        self._valid.pop(request_id, None)
-        self._fed.pop(request_id, None)
+        self._fresh.discard(request_id)
 
     def reset(self, request_id: str) -> None:
-        self._valid[request_id] = 0
+        self._fresh.add(request_id)
 
-    def observe(self, request_id: str, num_verified: int, num_kept: int) -> None:
-        if request_id in self._valid:  # the kept drafts it fed itself hold the right KV
-            self._valid[request_id] += min(num_kept, self._fed.get(request_id, 0))
-
-    def propose(self, step: DraftStep) -> dict[str, Proposal]:
-        proposing = {r.request_id: r for r in step.requests}
-        catch_up: list[ScheduledChunk] = []
-        starts: list[tuple[str, int, int]] = []  # (request, last row, its position)
-        for i, chunk in enumerate(step.chunks):
-            rid = chunk.request_id
-            if rid not in self._valid:
-                continue
-            self._fed[rid] = 0
-            known = step.token_ids[i]
-            end = chunk.start_pos + step.num_real[i]  # positions before it are computed
-            if rid in proposing:
-                end += 1  # and the token just sampled is known
-            end = min(end, len(known), len(chunk.block_ids) * self.block_size)
-            begin = self._valid[rid]
-            if end <= begin:
-                continue
-            catch_up.append(ScheduledChunk(rid, list(known[begin:end]), begin,
-                                           chunk.block_ids, rid in proposing))  # fmt: skip
-            self._valid[rid] = end
-        if not catch_up:
-            return {}
-        logits = self._forward(catch_up)
-        row = 0
-        for c in catch_up:
-            if c.sample:
-                starts.append((c.request_id, row, c.end_pos))
-                row += 1
-        chain_starts = [
-            ChainStart(row, pos, proposing[rid].num_draft,
-                       min(len(proposing[rid].block_ids) * self.block_size, self._max_len))
-            for rid, row, pos in starts
-        ]  # fmt: skip
-        ids = [rid for rid, _, _ in starts]
-        tables = {rid: proposing[rid].block_ids for rid in ids}
-
-        def forward(active: list[int], tokens: torch.Tensor, positions: list[int]):
-            chunks = [  # the token ids are the device's (``tokens``)
-                ScheduledChunk(ids[a], [0], p, tables[ids[a]], True)
-                for a, p in zip(active, positions)
-            ]
-            for a in active:
-                self._fed[ids[a]] += 1
-            return self._forward(chunks, tokens)
-
-        drafted = chain(self.config, logits, chain_starts, forward, self.model.config.vocab_size)
-        out = {}
-        for rid, (tokens, conf) in zip(ids, drafted):
-            out[rid] = Proposal(len(proposing[rid].token_ids), tokens, conf)
-        return out
-
-    def _forward(self, chunks: list[ScheduledChunk],
-                 token_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """The draft model over ``chunks`` (their token ids, or ``token_ids`` on the
-        device); logits of their sampled rows."""
+    def launch(self, step: LaunchStep) -> Drafting:
         from engine.runner import step_inputs
 
-        inputs, _ = step_inputs(chunks, self.block_size, self.device)
-        ctx = ForwardContext(inputs.meta, self.backend)
-        ids = inputs.input_ids if token_ids is None else token_ids
-        hidden = self.model(ids, inputs.positions, ctx)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+        chunks = step.chunks
+        fresh = [i for i, c in enumerate(chunks) if c.request_id in self._fresh]
+        if fresh:  # the whole context up to the chunk's end, from the host's tokens
+            whole = [ScheduledChunk(chunks[i].request_id,
+                                    list(step.context(chunks[i].request_id)[: chunks[i].end_pos]),
+                                    0, chunks[i].block_ids, False) for i in fresh]  # fmt: skip
+            inputs, _ = step_inputs(whole, self.block_size, self.device)
+            self._hidden(inputs.input_ids, inputs.positions, inputs.meta)
+            self._fresh -= {c.request_id for c in whole}
+        first, rows, others = 0, [], []
+        for i, c in enumerate(chunks):
+            if i not in fresh:
+                rows += range(first, first + c.num_tokens)
+                others.append(c)
+            first += c.num_tokens
+        if others:
+            self._rows(step, others, _index(rows, self.device), np.asarray(rows))
+        if not step.requests:
+            return Drafting([], Chained(0, []))
+        tables = padded_tables([r.block_ids for r in step.requests])
+        bounds = list(step.bounds)
+
+        def one_token(active: list[int], tokens: torch.Tensor, at: list[int]) -> torch.Tensor:
+            index = _index(active, tokens.device)
+            positions = _index(at, tokens.device) - step.back[index]  # where they really go
+            meta = AttentionMetadata.one_token_each(tables[active], positions, at,
+                                                    self.block_size)  # fmt: skip
+            return self.model.compute_logits(self._hidden(tokens, positions, meta))
+
+        everyone = list(range(len(bounds)))  # the token after each one's kept drafts
+        logits = one_token(everyone, step.next_ids[step.last_rows], bounds)
+        starts = [
+            ChainStart(j, bound + 1, r.num_draft,
+                       min(len(r.block_ids) * self.block_size, self._max_len))
+            for j, (r, bound) in enumerate(zip(step.requests, bounds))
+        ]  # fmt: skip
+        chained = launch_chain(self.config, logits, starts, one_token,
+                               self.model.config.vocab_size)  # fmt: skip
+        chained.start_copy()
+        return Drafting([r.request_id for r in step.requests], chained)
+
+    def _rows(
+        self, step: LaunchStep, chunks: list[ScheduledChunk], index: torch.Tensor,
+        rows: np.ndarray,
+    ) -> None:  # fmt: skip
+        """The model over ``chunks`` (rows ``rows`` of the step, ``index`` on the device)
+        with the step's input tokens, writing their KV."""
+        from engine.runner import step_inputs
+
+        ids = step.input_ids[index]
+        if step.shift is None:
+            blank = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
+                                    False) for c in chunks]  # fmt: skip
+            inputs, _ = step_inputs(blank, self.block_size, self.device)
+            self._hidden(ids, inputs.positions, inputs.meta)
+            return
+        planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
+        positions = _index(planned, self.device) - step.shift[index]
+        tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+        meta = AttentionMetadata.one_token_each(tables, positions, planned.tolist(),
+                                                self.block_size)  # fmt: skip
+        self._hidden(ids, positions, meta)
+
+    def _hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(ids, positions, ForwardContext(meta, self.backend))
+
+
+def _index(values, device: torch.device) -> torch.Tensor:
+    return host_to_device(np.asarray(values, dtype=np.int64), device)

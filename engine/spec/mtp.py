@@ -35,7 +35,12 @@ import numpy as np
 import torch
 
 from engine.attention import build_backend
-from engine.attention.base import AttentionMetadata, ForwardContext, host_to_device
+from engine.attention.base import (
+    AttentionMetadata,
+    ForwardContext,
+    host_to_device,
+    padded_tables,
+)
 from engine.config import SpeculativeConfig
 from engine.plan import ScheduledChunk
 from engine.spec.base import Drafter, Drafting, LaunchStep
@@ -95,7 +100,7 @@ class MTPDrafter(Drafter):
             positions = host_to_device(planned, self.device)
             if step.shift is not None:
                 positions = positions - step.shift[:n]
-            tables = _tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+            tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
             if graphs is not None and graphs.accepts(n, end):
                 stream = graphs.run(step.next_ids, positions, step.hidden[:n], tables)
             else:
@@ -116,7 +121,7 @@ class MTPDrafter(Drafter):
                        min(len(r.block_ids) * self.block_size, self._max_len))
             for j, (r, bound) in enumerate(zip(step.requests, step.bounds))
         ]  # fmt: skip
-        tables = _tables([r.block_ids for r in step.requests])
+        tables = padded_tables([r.block_ids for r in step.requests])
 
         def forward(active: list[int], tokens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
             index = host_to_device(np.array(active, dtype=np.int64), tokens.device)
@@ -162,11 +167,3 @@ class MTPDrafter(Drafter):
 
     def _logits(self, stream: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.layer.shared_head["norm"](stream))
-
-
-def _tables(block_ids: list[list[int]]) -> np.ndarray:
-    """Block tables as the rows of one array, padded with the null block."""
-    tables = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
-    for row, blocks in zip(tables, block_ids):
-        row[: len(blocks)] = blocks
-    return tables

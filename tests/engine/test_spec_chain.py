@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import SpeculativeConfig
-from engine.spec.chain import ChainStart, chain, confidences
+from engine.spec.chain import ChainStart, confidences, launch_chain
 
 VOCAB = 40
 
@@ -51,7 +51,7 @@ def run_chain(table, first, config):
         calls.append((list(active), list(positions)))
         return table[tokens]
 
-    return chain(config, first, STARTS, forward, VOCAB), calls
+    return launch_chain(config, first, STARTS, forward, VOCAB).to_host(), calls
 
 
 def test_each_request_drafts_to_its_own_depth_as_if_alone():

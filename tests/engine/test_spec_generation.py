@@ -282,3 +282,17 @@ def test_the_host_time_the_policy_counts_on_the_cpu_leaves_the_forward_out():
     llm.generate(prompts()[:2], GREEDY)
     host = llm.core.scheduler.spec.host
     assert host.ready and host.value() < 0.025
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_a_draft_model_that_is_the_target_has_every_greedy_draft_kept(overlap, llama):
+    """The draft model drafts on the device from the step's own tokens and positions (and,
+    under overlap, from a step planned before the one before it was known): when it is the
+    target itself its KV is the target's, so greedy drafts are all kept."""
+    spec = SpeculativeConfig(method="draft", draft_model=llama, num_speculative_tokens=3,
+                             schedule="fixed")  # fmt: skip
+    llm = engine(llama, spec, overlap_scheduling=overlap)
+    assert [r.token_ids for r in llm.generate(prompts(), GREEDY)] == reference(llama)
+    stats = llm.core.scheduler.stats()
+    assert sum(stats.spec_draft_verified) > 50
+    assert sum(stats.spec_draft_accepted) == sum(stats.spec_draft_verified)
