@@ -123,7 +123,7 @@ class DraftModelDrafter(Drafter):
                 others.append(c)
             first += c.num_tokens
         if others:
-            self._rows(step, others, _index(rows, self.device), np.asarray(rows))
+            self._rows(step, others, _index(rows, self.device))
         if not step.requests:
             return Drafting([], Chained(0, []))
         tables = padded_tables([r.block_ids for r in step.requests])
@@ -148,12 +148,9 @@ class DraftModelDrafter(Drafter):
         chained.start_copy()
         return Drafting([r.request_id for r in step.requests], chained)
 
-    def _rows(
-        self, step: LaunchStep, chunks: list[ScheduledChunk], index: torch.Tensor,
-        rows: np.ndarray,
-    ) -> None:  # fmt: skip
-        """The model over ``chunks`` (rows ``rows`` of the step, ``index`` on the device)
-        with the step's input tokens, writing their KV."""
+    def _rows(self, step: LaunchStep, chunks: list[ScheduledChunk], index: torch.Tensor) -> None:
+        """The model over ``chunks`` (the step's rows ``index``, on the device) with the
+        step's input tokens, writing their KV."""
         from engine.runner import step_inputs
 
         ids = step.input_ids[index]
