@@ -67,13 +67,12 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from bench.common import machine_info
 from bench.spec_decode import Job, arms, plot, run_arms, run_load
 from engine import heap
-from engine.attention.base import host_to_device
+from engine.attention.base import device_index
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.llm import LLM
@@ -137,9 +136,9 @@ class RatesDrafter(Drafter):
         if not ids:
             return Drafting([], Chained(0, []))
         device = step.next_ids.device
-        keys = host_to_device(np.array([self._key(rid) for rid in ids], dtype=np.int64), device)
+        keys = device_index([self._key(rid) for rid in ids], device)
         # the index of each request's first draft: past its last token, as the device has it
-        start = host_to_device(np.array(step.bounds, dtype=np.int64), device) - step.back + 1
+        start = device_index(step.bounds, device) - step.back + 1
         rooms = [min(r.num_draft, self.max_draft) for r in step.requests]
         width = max(rooms)
         j = torch.arange(width, device=device)
@@ -151,7 +150,7 @@ class RatesDrafter(Drafter):
         depths = []
         for depth in range(width):
             rows = [d for d, room in enumerate(rooms) if room > depth]
-            index = host_to_device(np.array(rows, dtype=np.int64), device)
+            index = device_index(rows, device)
             depths.append((rows, tokens[index, depth], conf[index, depth]))
         chained = Chained(len(ids), depths)
         chained.start_copy()

@@ -116,6 +116,21 @@ class Buckets:
                 self.dry_run()
         return torch.cuda.graph_pool_handle()
 
+    @staticmethod
+    def _graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``forward()`` run twice on a side stream (kernels built, library handles and
+        workspaces made), then captured into ``pool``: the graph and what it returned."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+        return graph, out
+
 
 class DecodeGraphs(Buckets):
     """Static buffers and captured graphs for decode steps of up to ``max_batch`` sequences
@@ -267,16 +282,8 @@ class DecodeGraphs(Buckets):
         for size in reversed(self.sizes):
             bucket = self._buckets[size]
             self._fill(bucket, [])  # all padding: writes only the null block
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up: compile kernels, make cuBLAS handles
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                bucket.hidden, bucket.logits = self._forward(bucket)
-            bucket.graph = graph
+            bucket.graph, (bucket.hidden, bucket.logits) = self._graph(
+                lambda bucket=bucket: self._forward(bucket), pool)
         torch.cuda.synchronize()
         self.captured = True
         log.info(

@@ -60,8 +60,10 @@ from engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     ForwardContext,
+    device_index,
     host_to_device,
     padded_tables,
+    slots_of,
 )
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
@@ -417,24 +419,22 @@ class ModelRunner:
             index = host_to_device(base, device)
             bonus = np.flatnonzero(groups >= 0)
             if len(bonus):
-                at = _rows(bonus.tolist(), device)
-                index[at] += kept[_rows(groups[bonus].tolist(), device)]
-            ids[_rows(where.tolist(), device)] = flat[index]
+                at = device_index(bonus.tolist(), device)
+                index[at] += kept[device_index(groups[bonus].tolist(), device)]
+            ids[device_index(where.tolist(), device)] = flat[index]
         if not moved:
             return
         if meta.max_query_len != 1 or len(meta.seq_lens_cpu) < n:
             raise RuntimeError("a step after one whose drafts are still being verified must "
                                "be decode rows")  # fmt: skip
         groups = [prev.verify[owners[i]] for i in moved]
-        rejected = (_rows([verified.groups[g].num_draft for g in groups], device)
-                    - kept[_rows(groups, device)])  # fmt: skip
+        rejected = (device_index([verified.groups[g].num_draft for g in groups], device)
+                    - kept[device_index(groups, device)])  # fmt: skip
         shift = torch.zeros(n, dtype=torch.long, device=device)
-        shift[_rows(moved, device)] = rejected
+        shift[device_index(moved, device)] = rejected
         positions[:n] -= shift
         meta.seq_lens[:n] -= shift.to(meta.seq_lens.dtype)
-        bs, rows = self.block_size, torch.arange(n, device=device)
-        pos = positions[:n]
-        meta.slot_mapping[:n] = meta.block_tables[rows, pos // bs].long() * bs + pos % bs
+        meta.slot_mapping[:n] = slots_of(meta.block_tables[:n], positions[:n], self.block_size)
         self._shift = shift
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
@@ -478,10 +478,10 @@ class ModelRunner:
             row += chunk.num_sampled_rows
         plain = verified = None
         if plain_ids:
-            rows = logits if not verify_ids else logits[_rows(plain_rows, self.device)]
+            rows = logits if not verify_ids else logits[device_index(plain_rows, self.device)]
             plain = self._sample_plain(rows, plain_ids)
         if verify_ids:
-            rows = logits if not plain_ids else logits[_rows(verify_rows, self.device)]
+            rows = logits if not plain_ids else logits[device_index(verify_rows, self.device)]
             verified = self._verify(rows, verify_ids, groups, drafts)
         wanted = self.drafter is not None and self.drafter.needs_hidden
         return _Launched(plan, plain_ids, plain, verify_ids, verified,
@@ -502,7 +502,7 @@ class ModelRunner:
             [(s.grammar, g.draft_token_ids) for s, g in zip(states, groups)],
             self.sampler.vocab_size,
         )
-        at = host_to_device(np.array(draft_rows, dtype=np.int64), self.device)
+        at = device_index(draft_rows, self.device)
         drafts = torch.where(at >= 0, self._ids[at.clamp(min=0)], -1)
         return self.sampler.verify(logits, rows, mask, groups, drafts)
 
@@ -526,7 +526,7 @@ class ModelRunner:
             if all(c.sample for c in chunks):
                 return logits[: len(chunks)], hidden
             rows = [i for i, c in enumerate(chunks) if c.sample]
-            return logits[_rows(rows, self.device)], hidden
+            return logits[device_index(rows, self.device)], hidden
         inputs = self.prepare(StepPlan(chunks=chunks))
         self._ids = inputs.input_ids  # on the device, resolved
         pieces = self.pieces
@@ -698,10 +698,9 @@ class ModelRunner:
                 verified_rows += range(last, first + n)
             else:
                 sampled_rows.append(last)
-            if (chunk.sample and state is not None and self.proposes and plan.propose
-                    and state.new.sampling.speculative and self._room(state) > 0):  # fmt: skip
-                requests.append(DraftRequest(chunk.request_id, (), chunk.block_ids,
-                                             self._room(state)))  # fmt: skip
+            room = self._room(state) if chunk.sample and state is not None else 0
+            if room > 0 and self.proposes and plan.propose and state.new.sampling.speculative:
+                requests.append(DraftRequest(chunk.request_id, (), chunk.block_ids, room))
                 last_rows.append(last)
                 num_draft.append(chunk.num_draft)
                 bounds.append(chunk.end_pos)
@@ -710,19 +709,20 @@ class ModelRunner:
         device = self.device
         ids = host_to_device(np.maximum(next_ids, 0), device)  # UNRESOLVED: from the device
         if launched.plain is not None:
-            ids[_rows(sampled_rows, device)] = launched.plain.tokens
+            ids[device_index(sampled_rows, device)] = launched.plain.tokens
         kept = torch.zeros(len(requests), dtype=torch.long, device=device)
         if launched.verified is not None:
-            ids[_rows(verified_rows, device)] = launched.verified.tokens
+            ids[device_index(verified_rows, device)] = launched.verified.tokens
             which = [j for j, g in enumerate(group_of) if g >= 0]
             if which:
-                kept[_rows(which, device)] = launched.verified.kept[
-                    _rows([group_of[j] for j in which], device)]  # fmt: skip
-        back = _rows(num_draft, device) - kept
+                kept[device_index(which, device)] = launched.verified.kept[
+                    device_index([group_of[j] for j in which], device)]  # fmt: skip
+        inputs = device_index(last_rows, device)  # each one's input token's row
+        back = device_index(num_draft, device) - kept
         if self._shift is not None and requests:  # moved back by the step before's rejects
-            back += self._shift[_rows(last_rows, device)]
-        step = LaunchStep(chunks, launched.hidden, ids, requests, _rows(last_rows, device) + kept,
-                          back, bounds, self._shift, self._ids, self._context)  # fmt: skip
+            back += self._shift[inputs]
+        step = LaunchStep(chunks, launched.hidden, ids, requests, inputs + kept, back, bounds,
+                          self._shift, self._ids, self._context)  # fmt: skip
         return self.drafter.launch(step)
 
     def _context(self, request_id: str) -> list[int]:
@@ -888,6 +888,3 @@ def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
         for j, t in enumerate(c.token_ids)
     ]
 
-
-def _rows(rows: list[int], device: torch.device) -> torch.Tensor:
-    return host_to_device(np.array(rows, dtype=np.int64), device)

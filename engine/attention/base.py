@@ -65,13 +65,12 @@ class AttentionMetadata:
         decode attends by ``seq_lens`` on the device)."""
         device = positions.device
         tables = host_to_device(block_tables.astype(np.int32), device)
-        rows = torch.arange(len(bounds), device=device)
-        slots = tables[rows, positions // block_size].long() * block_size + positions % block_size
         lens = [b + 1 for b in bounds]
         return cls(
             query_start_loc=host_to_device(np.arange(len(bounds) + 1, dtype=np.int32), device),
             seq_lens=(positions + 1).to(torch.int32), block_tables=tables,
-            slot_mapping=slots, max_query_len=1, max_seq_len=max(lens),
+            slot_mapping=slots_of(tables, positions, block_size), max_query_len=1,
+            max_seq_len=max(lens),
             query_lens_cpu=[1] * len(bounds), seq_lens_cpu=lens,
         )  # fmt: skip
 
@@ -111,7 +110,7 @@ class AttentionMetadata:
             query_lens = [self.query_lens_cpu[i] for i in seqs]
             seq_lens = [self.seq_lens_cpu[i] for i in seqs]
             device = self.seq_lens.device
-            index = host_to_device(np.asarray(seqs, dtype=np.int64), device)
+            index = device_index(seqs, device)
             cached = self._token_rows[key] = (
                 host_to_device(rows.astype(np.int64), device),
                 AttentionMetadata(
@@ -192,6 +191,18 @@ def host_to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def device_index(values, device: torch.device) -> torch.Tensor:
+    """Host ints (a list or an array) as an int64 tensor on ``device``, without waiting."""
+    return host_to_device(np.asarray(values, dtype=np.int64), device)
+
+
+def slots_of(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV slot of each row's position through its own row of ``block_tables``, on the
+    device (positions known there only)."""
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    return block_tables[rows, positions // block_size].long() * block_size + positions % block_size
 
 
 class AttentionBackend(ABC):

@@ -31,8 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from engine.attention.base import AttentionMetadata, device_index, padded_tables
 from engine.plan import NewRequest, ScheduledChunk
 from engine.spec.chain import Chained
 from kvstore.layout import KVCache
@@ -128,6 +130,38 @@ class LaunchStep:
     shift: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
     context: Callable[[str], Sequence[int]] = lambda request_id: ()
+
+    def chunk_rows(
+        self, chunks: list[ScheduledChunk], block_size: int
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """``chunks`` as the step ran them, a sequence each (``shift`` must be None): the
+        rows' positions and the attention metadata."""
+        from engine.runner import step_inputs
+
+        blank = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
+                                False) for c in chunks]  # fmt: skip
+        inputs, _ = step_inputs(blank, block_size, self.next_ids.device)
+        return inputs.positions, inputs.meta
+
+    def token_rows(
+        self, chunks: list[ScheduledChunk], index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, np.ndarray, list[int]]:
+        """``chunks``' rows (the step's rows ``index``; all of them by default) one token
+        a sequence: their positions on the device (moved back by ``shift``), each row's
+        block table, and the positions as planned (a host bound on each)."""
+        planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
+        positions = device_index(planned, self.next_ids.device)
+        if self.shift is not None:
+            positions = positions - (self.shift[: len(planned)] if index is None
+                                     else self.shift[index])  # fmt: skip
+        tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+        return positions, tables, planned.tolist()
+
+    def placed(self, active: list[int], at: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the drafting requests ``active`` (indices into ``requests``) at positions
+        ``at`` as planned: their indices on the device, and where they really are."""
+        index = device_index(active, self.next_ids.device)
+        return index, device_index(at, self.next_ids.device) - self.back[index]
 
 
 @dataclass

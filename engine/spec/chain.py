@@ -21,10 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from engine.attention.base import host_to_device
+from engine.attention.base import device_index
 from engine.config import SpeculativeConfig
 from engine.sampler import pinned_copy
 
@@ -75,7 +74,7 @@ class Chained:
         device = self.depths[0][1].device
         table = torch.zeros(self.num_starts, width, dtype=torch.long, device=device)
         for depth, (rows, tokens, _) in enumerate(self.depths):
-            table[host_to_device(np.array(rows, dtype=np.int64), device), depth] = tokens
+            table[device_index(rows, device), depth] = tokens
         return table
 
     def to_host(self) -> list[tuple[list[int], list[float]]]:
@@ -111,10 +110,7 @@ def launch_chain(
         return Chained(0, [])
     device = first_logits.device
 
-    def index(rows: list[int]) -> torch.Tensor:  # to the device without waiting
-        return host_to_device(np.array(rows, dtype=np.int64), device)
-
-    logits = first_logits[index([s.row for s in starts])][:, :vocab_size]
+    logits = first_logits[device_index([s.row for s in starts], device)][:, :vocab_size]
     active = list(range(len(starts)))
     depths: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []  # (active, tokens, conf)
     for depth in range(max(s.room for s in starts)):
@@ -130,7 +126,7 @@ def launch_chain(
             break
         positions = [starts[active[k]].position + depth for k in keep]
         active = [active[k] for k in keep]
-        tokens = tokens[index(keep)]
+        tokens = tokens[device_index(keep, device)]
         logits = forward(active, tokens, positions)[:, :vocab_size]
     return Chained(len(starts), depths)
 

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from engine.attention import build_backend
 from engine.attention.base import (
     AttentionMetadata,
     ForwardContext,
-    host_to_device,
+    device_index,
     padded_tables,
 )
 from engine.config import SpeculativeConfig
@@ -122,16 +121,22 @@ class DraftModelDrafter(Drafter):
                 rows += range(first, first + c.num_tokens)
                 others.append(c)
             first += c.num_tokens
-        if others:
-            self._rows(step, others, _index(rows, self.device))
+        if others:  # the step's rows, with its input tokens
+            index = device_index(rows, self.device)
+            if step.shift is None:
+                positions, meta = step.chunk_rows(others, self.block_size)
+            else:
+                positions, tables, planned = step.token_rows(others, index)
+                meta = AttentionMetadata.one_token_each(tables, positions, planned,
+                                                        self.block_size)  # fmt: skip
+            self._hidden(step.input_ids[index], positions, meta)
         if not step.requests:
             return Drafting([], Chained(0, []))
         tables = padded_tables([r.block_ids for r in step.requests])
         bounds = list(step.bounds)
 
         def one_token(active: list[int], tokens: torch.Tensor, at: list[int]) -> torch.Tensor:
-            index = _index(active, tokens.device)
-            positions = _index(at, tokens.device) - step.back[index]  # where they really go
+            _, positions = step.placed(active, at)  # where they really go
             meta = AttentionMetadata.one_token_each(tables[active], positions, at,
                                                     self.block_size)  # fmt: skip
             return self.model.compute_logits(self._hidden(tokens, positions, meta))
@@ -148,30 +153,7 @@ class DraftModelDrafter(Drafter):
         chained.start_copy()
         return Drafting([r.request_id for r in step.requests], chained)
 
-    def _rows(self, step: LaunchStep, chunks: list[ScheduledChunk], index: torch.Tensor) -> None:
-        """The model over ``chunks`` (the step's rows ``index``, on the device) with the
-        step's input tokens, writing their KV."""
-        from engine.runner import step_inputs
-
-        ids = step.input_ids[index]
-        if step.shift is None:
-            blank = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
-                                    False) for c in chunks]  # fmt: skip
-            inputs, _ = step_inputs(blank, self.block_size, self.device)
-            self._hidden(ids, inputs.positions, inputs.meta)
-            return
-        planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-        positions = _index(planned, self.device) - step.shift[index]
-        tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
-        meta = AttentionMetadata.one_token_each(tables, positions, planned.tolist(),
-                                                self.block_size)  # fmt: skip
-        self._hidden(ids, positions, meta)
-
     def _hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.model(ids, positions, ForwardContext(meta, self.backend))
-
-
-def _index(values, device: torch.device) -> torch.Tensor:
-    return host_to_device(np.asarray(values, dtype=np.int64), device)

@@ -3,11 +3,12 @@
 The MTP drafter (``engine.spec.mtp``) runs its layer, an MLA attention and a MoE feed
 forward at the target's width, several times a step: over the rows of the step it
 follows, then once per chained draft. Run eagerly, each call is a few hundred kernel
-launches that the host issues slower than the device runs them: at DeepSeek-V3's width
-three of them made a decode step with three drafts 3-4x a step without
-(``bench/mtp_drafting.py``). Every such call whose rows are each one token over its
-sequence's block table, attending to its context up to itself (a chained draft; a verify
-step's rows), fits one graph per bucket of rows, as the target's decode steps do
+launches; once the next step is planned while this one runs, those launches are what the
+device waits for at one stream: at DeepSeek-V3's width a step with three drafts took
+12.3 ms with them eager and 8.2 ms replayed (``bench/mtp_drafting.py``). Every such
+call whose rows are each one token over its sequence's block table, attending to its
+context up to itself (a chained draft; a verify step's rows), fits one graph per bucket
+of rows, as the target's decode steps do
 (``engine.cuda_graphs``): the rows' ids, positions and input hidden states are copied
 into the bucket's buffers on the device (positions may be known only there: after a
 verification), their slots and context lengths computed there, and the graph replayed.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata
+from engine.attention.base import AttentionMetadata, slots_of
 from engine.cuda_graphs import NULL_SLOT, Buckets, batch_buckets, copy_in
 from engine.models.base import CausalLM
 
@@ -117,9 +118,7 @@ class RowGraphs(Buckets):
             buffer[n:].fill_(pad)
         bucket.hidden[:n].copy_(hidden)
         bucket.hidden[n:].zero_()
-        bs, at = self.block_size, torch.arange(n, device=self.device)
-        slots = meta.block_tables[at, positions // bs].long() * bs + positions % bs
-        meta.slot_mapping[:n].copy_(slots)
+        meta.slot_mapping[:n].copy_(slots_of(meta.block_tables[:n], positions, self.block_size))
         meta.slot_mapping[n:].fill_(NULL_SLOT)
 
     def _forward(self, bucket: _Rows) -> torch.Tensor:
@@ -145,16 +144,8 @@ class RowGraphs(Buckets):
         for size in reversed(self.sizes):
             bucket = self._buckets[size]
             self._padding(bucket)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                bucket.out = self._forward(bucket)
-            bucket.graph = graph
+            bucket.graph, bucket.out = self._graph(lambda bucket=bucket: self._forward(bucket),
+                                                   pool)  # fmt: skip
         torch.cuda.synchronize()
         self.captured = True
         log.info("captured the drafter's CUDA graphs for %s rows in %.1f s",

@@ -31,18 +31,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from engine.attention import build_backend
-from engine.attention.base import (
-    AttentionMetadata,
-    ForwardContext,
-    host_to_device,
-    padded_tables,
-)
+from engine.attention.base import AttentionMetadata, ForwardContext, padded_tables
 from engine.config import SpeculativeConfig
-from engine.plan import ScheduledChunk
 from engine.spec.base import Drafter, Drafting, LaunchStep
 from engine.spec.chain import Chained, ChainStart, launch_chain
 from engine.spec.graphs import RowGraphs
@@ -86,8 +79,6 @@ class MTPDrafter(Drafter):
     def launch(self, step: LaunchStep) -> Drafting:
         """One pass of the layer over every row of the step, then the chain of each
         drafting request from its last real row (module docstring), all queued."""
-        from engine.runner import step_inputs
-
         chunks = step.chunks
         n = sum(c.num_tokens for c in chunks)
         end = max(c.end_pos for c in chunks)
@@ -96,22 +87,16 @@ class MTPDrafter(Drafter):
         if step.shift is not None or (graphs is not None and decode):
             # decode rows: one row a sequence, positions known on the device (moved back
             # by ``shift`` when the step was planned before the one before it was known)
-            planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-            positions = host_to_device(planned, self.device)
-            if step.shift is not None:
-                positions = positions - step.shift[:n]
-            tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+            positions, tables, planned = step.token_rows(chunks)
             if graphs is not None and graphs.accepts(n, end):
                 stream = graphs.run(step.next_ids, positions, step.hidden[:n], tables)
             else:
-                meta = AttentionMetadata.one_token_each(tables, positions, planned.tolist(),
+                meta = AttentionMetadata.one_token_each(tables, positions, planned,
                                                         self.block_size)  # fmt: skip
                 stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
         else:
-            rows = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
-                                   False) for c in chunks]  # fmt: skip
-            inputs, _ = step_inputs(rows, self.block_size, self.device)
-            stream = self._layer(step.next_ids, inputs.positions, inputs.meta, step.hidden[:n])
+            positions, meta = step.chunk_rows(chunks, self.block_size)
+            stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
         ids = [r.request_id for r in step.requests]
         if not ids:
             return Drafting([], Chained(0, []))
@@ -124,9 +109,7 @@ class MTPDrafter(Drafter):
         tables = padded_tables([r.block_ids for r in step.requests])
 
         def forward(active: list[int], tokens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-            index = host_to_device(np.array(active, dtype=np.int64), tokens.device)
-            positions = host_to_device(np.array(bounds, dtype=np.int64), tokens.device)
-            positions = positions - step.back[index]  # where the drafts really go
+            index, positions = step.placed(active, bounds)  # where the drafts really go
             prev = state["hidden"][index]
             if graphs is not None and graphs.accepts(len(active), max(bounds) + 1):
                 out = graphs.run(tokens, positions, prev, tables[active])
