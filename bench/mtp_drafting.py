@@ -10,6 +10,9 @@ median wall time of a decode step, and the median device time of one (forward,
 verification, drafting: CUDA events), whose difference is what the device waits for the
 host around a step. Run the same command over two trees (``PYTHONPATH``, from outside
 the repository) to compare engines in one session.
+
+``--draft MODEL`` measures a draft model instead (``--base llama3-8b --draft
+dummy:llama3.2-1b``: random weights too, so every draft is rejected), its arm ``draft``.
 """
 
 from __future__ import annotations
@@ -70,8 +73,10 @@ def measure(core: EngineCore, batch: int, prompt_len: int, steps: int, tag: str)
             tokens += sum(len(o.new_token_ids) for o in outs)
     finally:
         core.runner.finish = finish
-    walls, device = walls[4:-4], device[4:-4]  # the edges: pipeline fill and drain
-    wall_ms, device_ms = 1e3 * statistics.median(walls), 1e3 * statistics.median(device)
+    edge = min(4, len(walls) // 4)  # the edges: pipeline fill and drain
+    walls, device = walls[edge : len(walls) - edge], device[edge : len(device) - edge]
+    wall_ms = 1e3 * statistics.median(walls)
+    device_ms = 1e3 * statistics.median(device) if device else float("nan")  # CUDA events only
     return {"batch": batch, "steps": len(walls), "tokens": tokens,
             "step_ms": round(wall_ms, 3), "device_ms": round(device_ms, 3),
             "host_wait_ms": round(wall_ms - device_ms, 3)}  # fmt: skip
@@ -85,33 +90,37 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--label", default="")
     ap.add_argument("--base", default="deepseek-v3-4l", help="the dummy preset, less MTP")
+    ap.add_argument("--draft", default="", help="a draft model in place of the MTP layer")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    method = "draft" if args.draft else "mtp"
+    model = args.base if args.draft else with_mtp(args.base)
     config = EngineConfig(
-        model=f"dummy:{with_mtp(args.base)}", device=args.device, dtype=args.dtype,
+        model=f"dummy:{model}", device=args.device, dtype=args.dtype,
         cache=CacheConfig(block_size=128, memory_gb=8.0, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=4096,
                                   max_model_len=4096),
-        speculative=SpeculativeConfig(method="mtp", num_speculative_tokens=args.k,
-                                      schedule="fixed"),
+        speculative=SpeculativeConfig(method=method, draft_model=args.draft,
+                                      num_speculative_tokens=args.k, schedule="fixed"),
     )  # fmt: skip
     core = EngineCore(config)
     drafting = (core.scheduler.spec, core.runner.drafter)
     plain = (SpecDecoding(SpeculativeConfig()), None)
     points = []
     for batch in batches:
-        for arm, (spec, drafter) in (("mtp", drafting), ("none", plain)):
+        for arm, (spec, drafter) in ((method, drafting), ("none", plain)):
             core.scheduler.spec, core.runner.drafter = spec, drafter
             measure(core, batch, args.prompt_len, 16, f"warm{arm}{batch}")
             points.append({"arm": arm, **measure(core, batch, args.prompt_len, args.steps,
                                                  f"{arm}{batch}")})  # fmt: skip
             p = points[-1]
-            print(f"{args.label} {arm:4s} batch {batch:3d}: step {p['step_ms']:.3f} ms, device "
+            print(f"{args.label} {arm:5s} batch {batch:3d}: step {p['step_ms']:.3f} ms, device "
                   f"{p['device_ms']:.3f} ms, host wait {p['host_wait_ms']:.3f} ms", flush=True)
-    report = {"machine": machine_info(), "label": args.label, "k": args.k, "points": points}
+    report = {"machine": machine_info(), "label": args.label, "model": config.model,
+              "draft": args.draft, "k": args.k, "points": points}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2))
 
 

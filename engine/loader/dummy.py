@@ -106,29 +106,38 @@ _QWEN3_30B_A3B = ModelConfig(
 def _narrow(config: ModelConfig, name: str, **changes) -> ModelConfig:
     return dataclasses.replace(config, name=f"dummy-{name}", **changes)
 
+
+_LLAMA3_8B = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(
+        kind="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    max_position_embeddings=131072,
+    architecture="llama",
+    name="dummy-llama3-8b",
+    bos_token_id=256,
+    eos_token_ids=(257, 259),
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    "llama3-8b": ModelConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(
-            kind="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        max_position_embeddings=131072,
-        architecture="llama",
-        name="dummy-llama3-8b",
-        bos_token_id=256,
-        eos_token_ids=(257, 259),
+    "llama3-8b": _LLAMA3_8B,
+    # the 8B's vocabulary at Llama-3.2-1B's shape: a draft model for it
+    "llama3.2-1b": _narrow(
+        _LLAMA3_8B, "llama3.2-1b", hidden_size=2048, intermediate_size=8192, num_layers=16,
+        head_dim=64, tie_word_embeddings=True,
+        rope_scaling=dataclasses.replace(_LLAMA3_8B.rope_scaling, factor=32.0),
     ),
     "smollm2-135m": ModelConfig(
         vocab_size=49152,

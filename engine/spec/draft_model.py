@@ -18,6 +18,8 @@ its position, and drafts K tokens one forward at a time from there (``engine.spe
 A request it has not seen yet, or one preempted since, first runs its whole context up to
 its chunk from the host's tokens: a prefix that came from the cache, a tier or another
 worker carries no draft KV to trust (rewriting it with the same tokens is harmless).
+Its forwards over one-token rows (a decode or verify step's rows, each chained draft)
+replay CUDA graphs by bucket of rows (``engine.spec.graphs``), as the MTP layer's do.
 Confidence: the draft model's probability of its token at the position's calibration
 temperature.
 """
@@ -39,6 +41,7 @@ from engine.config import SpeculativeConfig
 from engine.plan import NewRequest, ScheduledChunk
 from engine.spec.base import Drafter, Drafting, LaunchStep
 from engine.spec.chain import Chained, ChainStart, launch_chain
+from engine.spec.graphs import RowGraphs
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ class DraftModelDrafter(Drafter):
         self.cache: KVCache | None = None
         self._fresh: set[str] = set()  # requests whose draft KV is not there yet
         self._max_len = model.config.max_position_embeddings
+        self.graphs: RowGraphs | None = None
 
     @classmethod
     def load(
@@ -123,13 +127,13 @@ class DraftModelDrafter(Drafter):
             first += c.num_tokens
         if others:  # the step's rows, with its input tokens
             index = device_index(rows, self.device)
-            if step.shift is None:
+            ids = step.input_ids[index]
+            if step.shift is None and not all(c.is_decode for c in others):
                 positions, meta = step.chunk_rows(others, self.block_size)
-            else:
+                self._hidden(ids, positions, meta)
+            else:  # decode rows: one token a row, positions on the device
                 positions, tables, planned = step.token_rows(others, index)
-                meta = AttentionMetadata.one_token_each(tables, positions, planned,
-                                                        self.block_size)  # fmt: skip
-            self._hidden(step.input_ids[index], positions, meta)
+                self._rows(ids, positions, tables, planned)
         if not step.requests:
             return Drafting([], Chained(0, []))
         tables = padded_tables([r.block_ids for r in step.requests])
@@ -137,9 +141,7 @@ class DraftModelDrafter(Drafter):
 
         def one_token(active: list[int], tokens: torch.Tensor, at: list[int]) -> torch.Tensor:
             _, positions = step.placed(active, at)  # where they really go
-            meta = AttentionMetadata.one_token_each(tables[active], positions, at,
-                                                    self.block_size)  # fmt: skip
-            return self.model.compute_logits(self._hidden(tokens, positions, meta))
+            return self.model.compute_logits(self._rows(tokens, positions, tables[active], at))
 
         everyone = list(range(len(bounds)))  # the token after each one's kept drafts
         logits = one_token(everyone, step.next_ids[step.last_rows], bounds)
@@ -152,6 +154,28 @@ class DraftModelDrafter(Drafter):
                                self.model.config.vocab_size)  # fmt: skip
         chained.start_copy()
         return Drafting([r.request_id for r in step.requests], chained)
+
+    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True) -> RowGraphs:
+        """From now on, its forwards over one-token rows (a decode or verify step's, each
+        chained draft's; up to ``max_rows`` within ``max_seq_len``) replay CUDA graphs
+        (``engine.spec.graphs``; ``capture=False``: the same buffers, run eagerly)."""
+        self.graphs = RowGraphs(
+            lambda ids, positions, meta, _: self._hidden(ids, positions, meta), self.model,
+            self.backend, self.block_size, max_rows, min(max_seq_len, self._max_len),
+            capture, takes_hidden=False,
+        )  # fmt: skip
+        return self.graphs
+
+    def _rows(
+        self, ids: torch.Tensor, positions: torch.Tensor, tables, planned: list[int]
+    ) -> torch.Tensor:
+        """Its output at one-token rows (``tables``: each row's block table, host;
+        ``planned``: a host bound on each position), from its graphs where they fit."""
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(len(planned), max(planned) + 1):
+            return graphs.run(ids, positions, None, tables)
+        meta = AttentionMetadata.one_token_each(tables, positions, planned, self.block_size)
+        return self._hidden(ids, positions, meta)
 
     def _hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

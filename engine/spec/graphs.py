@@ -2,7 +2,8 @@
 
 The MTP drafter (``engine.spec.mtp``) runs its layer, an MLA attention and a MoE feed
 forward at the target's width, several times a step: over the rows of the step it
-follows, then once per chained draft. Run eagerly, each call is a few hundred kernel
+follows, then once per chained draft; a draft model (``engine.spec.draft_model``) runs
+its whole forward as often. Run eagerly, each call is a few hundred kernel
 launches; once the next step is planned while this one runs, those launches are what the
 device waits for at one stream: at DeepSeek-V3's width a step with three drafts took
 12.3 ms with them eager and 8.2 ms replayed (``bench/mtp_drafting.py``). Every such
@@ -43,7 +44,7 @@ class _Rows:
     size: int
     ids: torch.Tensor  # [size] int64
     positions: torch.Tensor  # [size] int64
-    hidden: torch.Tensor  # [size, H]
+    hidden: torch.Tensor | None  # [size, H]; None: the layer takes no hidden states
     meta: AttentionMetadata  # its seq_lens, block tables and slots are buffers too
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None  # [size, H], the graph's output
@@ -52,11 +53,12 @@ class _Rows:
 class RowGraphs(Buckets):
     """``layer`` over up to ``max_rows`` one-token rows whose contexts fit
     ``max_seq_len``, one graph per bucket (module docstring). ``capture=False`` runs the
-    same buffers without graphs (the CPU's way to exercise them)."""
+    same buffers without graphs (the CPU's way to exercise them). ``takes_hidden`` False:
+    the layer reads no hidden states (a whole draft model: ``run`` gets None for them)."""
 
     def __init__(
         self, layer: Layer, model: CausalLM, backend, block_size: int, max_rows: int,
-        max_seq_len: int, capture: bool = True,
+        max_seq_len: int, capture: bool = True, takes_hidden: bool = True,
     ) -> None:  # fmt: skip
         super().__init__(model, backend, batch_buckets(max_rows))
         self.layer = layer
@@ -64,7 +66,7 @@ class RowGraphs(Buckets):
         self.max_seq_len = max_seq_len
         self.max_blocks = -(-max_seq_len // block_size)
         param = next(model.parameters())
-        self._hidden = (model.config.hidden_size, param.dtype)
+        self._hidden = (model.config.hidden_size, param.dtype) if takes_hidden else None
         self._buckets = {b: self._allocate(b) for b in self.sizes}
         if capture:
             self.capture()
@@ -75,7 +77,7 @@ class RowGraphs(Buckets):
         return 0 < rows <= self.largest and context <= self.max_seq_len
 
     def run(
-        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
         tables: np.ndarray,
     ) -> torch.Tensor:  # fmt: skip
         """The layer's output at each row (``tables``: each row's block table, host);
@@ -89,7 +91,7 @@ class RowGraphs(Buckets):
         return bucket.out[:n]
 
     def _allocate(self, size: int) -> _Rows:
-        device, (width, dtype) = self.device, self._hidden
+        device = self.device
         ids = torch.zeros(size, dtype=torch.long, device=device)
         meta = AttentionMetadata(
             query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
@@ -99,12 +101,15 @@ class RowGraphs(Buckets):
             max_query_len=1, max_seq_len=self.max_seq_len,
             query_lens_cpu=[1] * size, seq_lens_cpu=[self.max_seq_len] * size,
         )  # fmt: skip
-        hidden = torch.zeros(size, width, dtype=dtype, device=device)
+        hidden = None
+        if self._hidden is not None:
+            width, dtype = self._hidden
+            hidden = torch.zeros(size, width, dtype=dtype, device=device)
         return _Rows(size, ids, torch.zeros_like(ids), hidden, meta)
 
     def _fill(
         self, bucket: _Rows, ids: torch.Tensor, positions: torch.Tensor,
-        hidden: torch.Tensor, tables: np.ndarray,
+        hidden: torch.Tensor | None, tables: np.ndarray,
     ) -> None:  # fmt: skip
         """The rows into the bucket's first buffers, padding after them."""
         n, meta = ids.shape[0], bucket.meta
@@ -116,8 +121,9 @@ class RowGraphs(Buckets):
                                   (meta.seq_lens, positions + 1, 1)):  # fmt: skip
             buffer[:n].copy_(rows)
             buffer[n:].fill_(pad)
-        bucket.hidden[:n].copy_(hidden)
-        bucket.hidden[n:].zero_()
+        if bucket.hidden is not None:
+            bucket.hidden[:n].copy_(hidden)
+            bucket.hidden[n:].zero_()
         meta.slot_mapping[:n].copy_(slots_of(meta.block_tables[:n], positions, self.block_size))
         meta.slot_mapping[n:].fill_(NULL_SLOT)
 
@@ -127,7 +133,8 @@ class RowGraphs(Buckets):
 
     def _padding(self, bucket: _Rows) -> None:
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._fill(bucket, empty, empty, bucket.hidden[:0], np.zeros((0, 1), np.int32))
+        hidden = None if bucket.hidden is None else bucket.hidden[:0]
+        self._fill(bucket, empty, empty, hidden, np.zeros((0, 1), np.int32))
 
     def dry_run(self) -> None:
         """One forward of every bucket over padding (inside ``parallel_builds``: the

@@ -284,14 +284,21 @@ def test_the_host_time_the_policy_counts_on_the_cpu_leaves_the_forward_out():
     assert host.ready and host.value() < 0.025
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
-def test_a_draft_model_that_is_the_target_has_every_greedy_draft_kept(overlap, llama):
+@pytest.mark.parametrize(
+    "overlap,padded", [(False, False), (True, False), (True, True)],
+    ids=["serial", "overlap", "overlap-padded"],
+)  # fmt: skip
+def test_a_draft_model_that_is_the_target_has_every_greedy_draft_kept(overlap, padded, llama):
     """The draft model drafts on the device from the step's own tokens and positions (and,
     under overlap, from a step planned before the one before it was known): when it is the
-    target itself its KV is the target's, so greedy drafts are all kept."""
+    target itself its KV is the target's, so greedy drafts are all kept. ``padded``: its
+    one-token rows go through its graphs' padded buffers (run eagerly:
+    ``engine.spec.graphs``)."""
     spec = SpeculativeConfig(method="draft", draft_model=llama, num_speculative_tokens=3,
                              schedule="fixed")  # fmt: skip
     llm = engine(llama, spec, overlap_scheduling=overlap)
+    if padded:
+        llm.core.runner.drafter.capture_graphs(8, 256, capture=False)  # 1, 2, 4, 8 rows
     assert [r.token_ids for r in llm.generate(prompts(), GREEDY)] == reference(llama)
     stats = llm.core.scheduler.stats()
     assert sum(stats.spec_draft_verified) > 50
