@@ -293,7 +293,7 @@ def check_shape(core: EngineCore, k: int = 3) -> dict:
     jobs = [Job(p, 24) for p in REPETITIVE * 2]
     none = SpecDecoding(SpeculativeConfig(), 0, lagged=core.overlap)
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, schedule="fixed")
-    ngram = SpecDecoding(config, 0, lagged=core.overlap)
+    ngram = SpecDecoding(config, 0, lagged=core.overlap, on_device=True)
     reference = run_load(use(core, none, None), jobs, len(jobs), "check")["tokens"]
     run = run_load(use(core, ngram, NgramDrafter(k)), jobs, len(jobs), "check")
     pairs = [(a, b) for ref, out in zip(reference, run["tokens"]) for a, b in zip(ref, out)]

@@ -320,7 +320,7 @@ class ModelRunner:
         drafting = launched.drafting
         if drafting is not None and drafting.request_ids:
             previous.drafted = {rid: d for d, rid in enumerate(drafting.request_ids)}
-            previous.drafts = drafting.chained.as_table(self.drafter.max_draft)
+            previous.drafts = drafting.table(self.drafter.max_draft)
         return previous
 
     def finish(self, launched: _Launched | None) -> StepResult:

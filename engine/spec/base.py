@@ -149,13 +149,22 @@ class LaunchStep:
         """``chunks``' rows (the step's rows ``index``; all of them by default) one token
         a sequence: their positions on the device (moved back by ``shift``), each row's
         block table, and the positions as planned (a host bound on each)."""
+        positions, planned = self.row_positions(chunks, index)
+        tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
+        return positions, tables, planned.tolist()
+
+    def row_positions(
+        self, chunks: list[ScheduledChunk], index: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """The positions of ``chunks``' rows (the step's rows ``index``; all of them by
+        default): on the device, where they really are (moved back by ``shift``), and on
+        the host as planned."""
         planned = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
         positions = device_index(planned, self.next_ids.device)
         if self.shift is not None:
             positions = positions - (self.shift[: len(planned)] if index is None
                                      else self.shift[index])  # fmt: skip
-        tables = padded_tables([c.block_ids for c in chunks for _ in range(c.num_tokens)])
-        return positions, tables, planned.tolist()
+        return positions, planned
 
     def placed(self, active: list[int], at: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """For the drafting requests ``active`` (indices into ``requests``) at positions
@@ -169,11 +178,15 @@ class Drafting:
     """Drafts queued on the device for ``request_ids`` (``Drafter.launch``)."""
 
     request_ids: list[str]
-    chained: Chained
+    chained: Chained = field(default_factory=lambda: Chained(0, []))
 
     def to_host(self) -> dict[str, tuple[list[int], list[float]]]:
         """Per request: its draft tokens and their confidences (waits for the drafting)."""
         return dict(zip(self.request_ids, self.chained.to_host()))
+
+    def table(self, width: int) -> torch.Tensor:
+        """The drafts as a device table [requests, width] (0 past a request's last)."""
+        return self.chained.as_table(width)
 
 
 class Drafter:

@@ -328,6 +328,9 @@ class SpecDecoding:
             self._proposals[rid] = proposal
             for j in range(min(len(proposal.token_ids), self.max_draft)):
                 counters.proposed[j] += 1
+        for chunk in plan.chunks:  # sampled, nothing proposed: its older proposal is stale
+            if chunk.request_id in result.sampled and chunk.request_id not in result.proposals:
+                self._proposals.pop(chunk.request_id, None)
         verified = 0
         for chunk in plan.chunks:
             if not chunk.num_draft or chunk.request_id not in result.sampled:

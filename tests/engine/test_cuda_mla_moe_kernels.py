@@ -24,6 +24,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from kernels import tilelang_available
 from kvstore.layout import KVCache
+from tests.engine.drafting import drafting_run, launches_without_waiting
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and tilelang_available()), reason="needs CUDA and TileLang"
@@ -188,32 +189,9 @@ def mtp_engine(overlap: bool):
 
 def mtp_run(overlap: bool, graphed: bool) -> tuple[list, list, int]:
     """``mtp_engine``'s greedy outputs, every draft proposed, and how many steps were
-    planned while a step that verifies drafts ran. ``graphed`` False drops the drafter's
-    CUDA graphs after start-up (its rows then run eagerly)."""
-    llm, prompts = mtp_engine(overlap)
-    core = llm.core
-    assert core.runner.drafter.graphs is not None and core.runner.drafter.graphs.captured
-    if not graphed:
-        core.runner.drafter.graphs = None
-    early, drafts = [0], []
-    step, finish = core.step, core.runner.finish
-
-    def counted():
-        out = step()
-        early[0] += core._inflight is not None and core._inflight[0].num_draft_tokens > 0
-        return out
-
-    def recorded(launched):
-        result = finish(launched)
-        drafts.extend(t for _, p in sorted(result.proposals.items()) for t in p.token_ids)
-        return result
-
-    core.step, core.runner.finish = counted, recorded
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs = [r.token_ids for r in llm.generate(prompts, params)]
-    core.check_integrity()
-    assert core.kv.pool.num_free == core.kv.pool.num_usable
-    return outputs, drafts, early[0]
+    planned while a step that verifies drafts ran (``drafting_run``)."""
+    run = drafting_run(*mtp_engine(overlap), graphed=graphed)
+    return run.outputs, run.drafts, run.early
 
 
 def test_mtp_steps_planned_before_the_verify_step_before_them_match_serial_steps():
@@ -247,22 +225,4 @@ def test_a_step_planned_before_the_verify_step_before_it_launches_without_waitin
     (and whose rows the device moves back by that step's rejected drafts) never waits for
     the device: the forward, the verification and the drafting behind it only queue work
     (``torch.cuda.set_sync_debug_mode("error")`` raises at any synchronising call)."""
-    llm, prompts = mtp_engine(overlap=True)
-    runner, guarded = llm.core.runner, [0]
-    launch = runner.launch
-
-    def checked(plan):
-        if not any(t <= -2 for c in plan.chunks for t in c.token_ids):  # no drafts placeholder
-            return launch(plan)
-        guarded[0] += 1
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    runner.launch = checked
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    llm.generate(prompts, params)
-    assert guarded[0] > 5
+    assert launches_without_waiting(*mtp_engine(overlap=True)) > 5

@@ -199,8 +199,10 @@ def test_overlap_scheduling_with_drafts_gives_the_same_tokens(
     stats = llm.core.scheduler.stats()
     assert sum(stats.spec_draft_verified) > 0
     # the random MTP layer's drafts are all rejected (the successor machine's are kept:
-    # test_mtp_drafts_mostly_kept_leave_greedy_outputs_unchanged)
-    if schedule == "fixed" and name != "mtp":
+    # test_mtp_drafts_mostly_kept_leave_greedy_outputs_unchanged); the random target
+    # hardly repeats itself, so prompt lookup's are kept by luck alone (a model quoting
+    # text: test_ngram_drafts)
+    if schedule == "fixed" and name not in ("mtp", "ngram"):
         assert sum(stats.spec_draft_accepted) > 0
     llm.core.check_integrity()
     assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_usable

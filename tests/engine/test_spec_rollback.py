@@ -47,24 +47,22 @@ def random_request(rng: random.Random, i: int) -> EngineRequest:
 def test_500_speculative_requests_with_random_aborts_leave_every_allocator_consistent(
     method, tiny_moe_dir
 ):
-    """The model drafters (MTP, a draft model) run under overlap scheduling: their drafts
-    are made on the device, so the step after a verify step is planned before its outcome
-    (``engine.core``), and aborts, preemptions and stops land between the two."""
+    """The drafters run under overlap scheduling: their drafts are made on the device, so
+    the step after a verify step is planned before its outcome (``engine.core``), and
+    aborts, preemptions and stops land between the two."""
     model = str(tiny_moe_dir(SUCCESSOR if method == "mtp" else "llama"))
     fields = dict(method=method, draft_model=model if method == "draft" else "")
-    on_device = method != "ngram"
-    if on_device:  # every step verifies: the path after a verify step every time
-        fields["schedule"] = "fixed"
+    fields["schedule"] = "fixed"  # every step verifies: the path after a verify step every time
     core = EngineCore(EngineConfig(
         model=model, num_threads=1, cache=CacheConfig(block_size=BLOCK, num_blocks=90),
         scheduler=SchedulerConfig(max_num_seqs=24, max_num_batched_tokens=64),
         speculative=SpeculativeConfig(num_speculative_tokens=4, **fields),
-        overlap_scheduling=on_device,
+        overlap_scheduling=True,
     ))  # fmt: skip
     planned_early = 0  # steps planned while a step that verifies drafts ran
-    # on the device: requests arrive in waves of up to 16 (under the batch size) once 4 or
-    # fewer are left, so that stretches of steps have nothing waiting
-    cap = 16 if on_device else 32
+    # requests arrive in waves of up to 16 (under the batch size) once 4 or fewer are
+    # left, so that stretches of steps have nothing waiting
+    cap = 16
     rng = random.Random(7)
     tokens: dict[str, list[int]] = {}  # request -> prompt + what it was given
     live: set[str] = set()
@@ -72,7 +70,7 @@ def test_500_speculative_requests_with_random_aborts_leave_every_allocator_consi
     published: set = set()  # every hash ever published
     submitted = aborted = steps = 0
     while submitted < REQUESTS or core.has_work:
-        refill = not on_device or len(live) <= 4
+        refill = len(live) <= 4
         while refill and submitted < REQUESTS and len(live) < cap:
             req = random_request(rng, submitted)
             assert core.add_request(req) is None
@@ -107,5 +105,5 @@ def test_500_speculative_requests_with_random_aborts_leave_every_allocator_consi
     assert aborted > 50 and stats.num_preemptions > 0  # the paths were really taken
     assert sum(stats.spec_draft_accepted) > 0
     assert sum(stats.spec_draft_verified) > sum(stats.spec_draft_accepted)  # and rejections
-    if on_device:
-        assert planned_early > steps // 4, (planned_early, steps)
+    # prompt lookup finds nothing to propose in many steps of a random model
+    assert planned_early > steps // (8 if method == "ngram" else 4), (planned_early, steps)
