@@ -105,9 +105,17 @@ class RatesDrafter(Drafter):
         self.rates = list(rates)
         self.on_device = on_device
         self._keys: dict[str, int] = {}
+        self._rates: torch.Tensor | None = None
 
     def drop(self, request_id: str) -> None:
         self._keys.pop(request_id, None)
+
+    def _rates_on(self, device: torch.device) -> torch.Tensor:
+        """The rates on ``device``, copied there once: a tensor made from a list on CUDA
+        at each launch waits for the device, and every step after a verify step with it."""
+        if self._rates is None or self._rates.device != device:
+            self._rates = torch.tensor(self.rates, device=device)
+        return self._rates
 
     def _key(self, request_id: str) -> int:
         key = self._keys.get(request_id)
@@ -142,7 +150,7 @@ class RatesDrafter(Drafter):
         rooms = [min(r.num_draft, self.max_draft) for r in step.requests]
         width = max(rooms)
         j = torch.arange(width, device=device)
-        rates = torch.tensor(self.rates[:width], device=device)
+        rates = self._rates_on(device)[:width]
         fails = _uniform(keys[:, None], start[:, None], j[None, :]) >= rates
         first_fail = fails & (fails.long().cumsum(1) == 1)
         tokens = torch.where(first_fail, WRONG, RIGHT)

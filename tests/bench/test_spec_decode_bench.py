@@ -104,3 +104,22 @@ def test_arms_on_one_engine_and_their_records(core):
                     log=lambda line: None, deadline=time.perf_counter() - 1)  # fmt: skip
     assert {r["error"] for r in late} == {"skipped: out of time"}
     core.check_integrity()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_rates_drafter_on_cuda_launches_the_step_after_a_verify_step_without_waiting():
+    """The sweep's drafter must not make the steps it measures wait for the device (a
+    tensor made from a host list at each launch did: every verify step then ran its eager
+    kernels at the host's pace)."""
+    from engine.llm import LLM
+    from tests.engine.drafting import launches_without_waiting
+
+    register_drafter("rates", lambda config, target, device, dtype: RatesDrafter(RATES))
+    llm = LLM(EngineConfig(
+        model="dummy:tiny", device="cuda", dtype="float32", overlap_scheduling=True,
+        speculative=SpeculativeConfig(method="rates", num_speculative_tokens=len(RATES),
+                                      schedule="fixed"),
+        cache=CacheConfig(block_size=16, num_blocks=256, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=512),
+    ))  # fmt: skip
+    assert launches_without_waiting(llm, [[3 + i % 50] * 12 for i in range(4)]) > 5
