@@ -80,3 +80,19 @@ def test_greedy_from_prefix_cache_matches_transformers(llm, prompts, reference):
     assert all(r.num_cached_tokens > 0 for r in results)
     assert [r.token_ids for r in results] == reference
     llm.core.check_integrity()
+
+
+def test_a_text_prompt_is_tokenized_and_its_completion_decoded(llm, prompts):
+    """``LLM.generate`` takes text as well as token ids (as the model's tokenizer reads
+    it), with default sampling; a prompt of anything else is a clear TypeError."""
+    import numpy as np
+
+    text = llm.tokenizer.decode(prompts[0], skip_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    [as_text] = llm.generate([text], params)
+    [as_ids] = llm.generate([np.array(prompts[0])], params)
+    assert as_text.token_ids == as_ids.token_ids
+    assert as_text.text == llm.tokenizer.decode(as_ids.token_ids) and as_ids.text is None
+    assert llm.generate(["Hello"])[0].finish_reason in ("stop", "length")
+    with pytest.raises(TypeError, match="list of token ids"):
+        llm.generate([["a", "b"]])
