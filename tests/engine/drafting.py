@@ -74,7 +74,9 @@ def drafting_run(llm: LLM, prompts: list[list[int]], graphed: bool = True) -> Re
     return generate_recorded(llm, prompts)
 
 
-def launches_without_waiting(llm: LLM, prompts: list[list[int]]) -> int:
+def launches_without_waiting(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_24
+) -> int:
     """Generates ``prompts`` with every launch of a step whose input tokens and drafts the
     step before left on the device under ``torch.cuda.set_sync_debug_mode("error")`` (it
     raises at any synchronising call); returns how many launches were so checked."""
@@ -93,5 +95,5 @@ def launches_without_waiting(llm: LLM, prompts: list[list[int]]) -> int:
             torch.cuda.set_sync_debug_mode(0)
 
     runner.launch = checked
-    llm.generate(prompts, GREEDY_24)
+    llm.generate(prompts, params)
     return guarded[0]

@@ -10,6 +10,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from tests.engine.drafting import GREEDY_24, drafting_run, launches_without_waiting
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -84,5 +85,14 @@ def test_prompt_lookup_on_cuda_proposes_the_most_recent_longest_match():
     run_checked(lookup_engine(), REPEATING, GREEDY_24)
 
 
-def test_a_step_after_a_prompt_lookup_verify_step_launches_without_waiting():
-    assert launches_without_waiting(lookup_engine(), REPEATING) > 5
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_a_step_after_a_prompt_lookup_verify_step_launches_without_waiting(sampled):
+    """Greedy, and sampled: rejection sampling with top-p and logprobs of the verified
+    rows."""
+    params = GREEDY_24
+    if sampled:
+        params = SamplingParams(temperature=0.8, top_p=0.95, logprobs=2, max_tokens=24,
+                                ignore_eos=True, seed=1)  # fmt: skip
+    # sampled tokens of a random model seldom repeat the prompt: fewer drafts, fewer steps
+    # planned after a verify step
+    assert launches_without_waiting(lookup_engine(), REPEATING, params) > (0 if sampled else 5)
