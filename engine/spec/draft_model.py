@@ -39,9 +39,9 @@ from engine.attention.base import (
 )
 from engine.config import SpeculativeConfig
 from engine.plan import NewRequest, ScheduledChunk
-from engine.spec.base import Drafter, Drafting, LaunchStep
+from engine.spec.base import Drafting, LaunchStep
 from engine.spec.chain import Chained, ChainStart, launch_chain
-from engine.spec.graphs import RowGraphs
+from engine.spec.graphs import RowsDrafter
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
@@ -49,9 +49,10 @@ if TYPE_CHECKING:
     from engine.models.base import CausalLM
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(RowsDrafter):
     name = "draft"
     on_device = True
+    takes_hidden = False
 
     def __init__(
         self, config: SpeculativeConfig, model: CausalLM, device: str, block_size: int
@@ -65,7 +66,6 @@ class DraftModelDrafter(Drafter):
         self.cache: KVCache | None = None
         self._fresh: set[str] = set()  # requests whose draft KV is not there yet
         self._max_len = model.config.max_position_embeddings
-        self.graphs: RowGraphs | None = None
 
     @classmethod
     def load(
@@ -117,7 +117,7 @@ class DraftModelDrafter(Drafter):
                                     list(step.context(chunks[i].request_id)[: chunks[i].end_pos]),
                                     0, chunks[i].block_ids, False) for i in fresh]  # fmt: skip
             inputs, _ = step_inputs(whole, self.block_size, self.device)
-            self._hidden(inputs.input_ids, inputs.positions, inputs.meta)
+            self._layer(inputs.input_ids, inputs.positions, inputs.meta)
             self._fresh -= {c.request_id for c in whole}
         first, rows, others = 0, [], []
         for i, c in enumerate(chunks):
@@ -130,10 +130,10 @@ class DraftModelDrafter(Drafter):
             ids = step.input_ids[index]
             if step.shift is None and not all(c.is_decode for c in others):
                 positions, meta = step.chunk_rows(others, self.block_size)
-                self._hidden(ids, positions, meta)
+                self._layer(ids, positions, meta)
             else:  # decode rows: one token a row, positions on the device
                 positions, tables, planned = step.token_rows(others, index)
-                self._rows(ids, positions, tables, planned)
+                self._rows(ids, positions, None, tables, planned)
         if not step.requests:
             return Drafting([], Chained(0, []))
         tables = padded_tables([r.block_ids for r in step.requests])
@@ -141,7 +141,8 @@ class DraftModelDrafter(Drafter):
 
         def one_token(active: list[int], tokens: torch.Tensor, at: list[int]) -> torch.Tensor:
             _, positions = step.placed(active, at)  # where they really go
-            return self.model.compute_logits(self._rows(tokens, positions, tables[active], at))
+            return self.model.compute_logits(self._rows(tokens, positions, None, tables[active],
+                                                        at))  # fmt: skip
 
         everyone = list(range(len(bounds)))  # the token after each one's kept drafts
         logits = one_token(everyone, step.next_ids[step.last_rows], bounds)
@@ -155,29 +156,9 @@ class DraftModelDrafter(Drafter):
         chained.start_copy()
         return Drafting([r.request_id for r in step.requests], chained)
 
-    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True) -> RowGraphs:
-        """From now on, its forwards over one-token rows (a decode or verify step's, each
-        chained draft's; up to ``max_rows`` within ``max_seq_len``) replay CUDA graphs
-        (``engine.spec.graphs``; ``capture=False``: the same buffers, run eagerly)."""
-        self.graphs = RowGraphs(
-            lambda ids, positions, meta, _: self._hidden(ids, positions, meta), self.model,
-            self.backend, self.block_size, max_rows, min(max_seq_len, self._max_len),
-            capture, takes_hidden=False,
-        )  # fmt: skip
-        return self.graphs
-
-    def _rows(
-        self, ids: torch.Tensor, positions: torch.Tensor, tables, planned: list[int]
-    ) -> torch.Tensor:
-        """Its output at one-token rows (``tables``: each row's block table, host;
-        ``planned``: a host bound on each position), from its graphs where they fit."""
-        graphs = self.graphs
-        if graphs is not None and graphs.accepts(len(planned), max(planned) + 1):
-            return graphs.run(ids, positions, None, tables)
-        meta = AttentionMetadata.one_token_each(tables, positions, planned, self.block_size)
-        return self._hidden(ids, positions, meta)
-
-    def _hidden(
-        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def _layer(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Its final hidden states at each row (it takes no hidden states in)."""
         return self.model(ids, positions, ForwardContext(meta, self.backend))

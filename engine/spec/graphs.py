@@ -32,10 +32,11 @@ import torch
 from engine.attention.base import AttentionMetadata, slots_of
 from engine.cuda_graphs import NULL_SLOT, Buckets, batch_buckets, copy_in
 from engine.models.base import CausalLM
+from engine.spec.base import Drafter
 
 log = logging.getLogger("ferry.spec")
 
-# the layer: (token ids, positions, hidden states before, attention metadata) -> its output
+# the layer: (token ids, positions, attention metadata, hidden states before) -> its output
 Layer = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 
 
@@ -157,3 +158,44 @@ class RowGraphs(Buckets):
         self.captured = True
         log.info("captured the drafter's CUDA graphs for %s rows in %.1f s",
                  ",".join(map(str, self.sizes)), time.perf_counter() - start)  # fmt: skip
+
+
+class RowsDrafter(Drafter):
+    """A drafter that runs a model (``model``, over ``backend``) on one-token rows: a
+    decode or verify step's rows, each chained draft; from its ``RowGraphs`` once
+    ``capture_graphs`` made them, where the rows fit. ``_layer`` is what it runs;
+    ``takes_hidden`` False: that reads no hidden states."""
+
+    takes_hidden = True
+    graphs: RowGraphs | None = None
+    model: CausalLM
+    backend: object
+    block_size: int
+    _max_len: int
+
+    def _layer(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True) -> RowGraphs:
+        """From now on, its calls over one-token rows (up to ``max_rows``, within
+        ``max_seq_len``) replay CUDA graphs (``capture=False``: the same buffers, run
+        eagerly)."""
+        self.graphs = RowGraphs(self._layer, self.model, self.backend, self.block_size,
+                                max_rows, min(max_seq_len, self._max_len), capture,
+                                self.takes_hidden)  # fmt: skip
+        return self.graphs
+
+    def _rows(
+        self, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        tables: np.ndarray, planned: list[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """``_layer``'s output at one-token rows (``tables``: each row's block table, host;
+        ``planned``: a host bound on each position), from the graphs where they fit."""
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(len(planned), max(planned) + 1):
+            return graphs.run(ids, positions, hidden, tables)
+        meta = AttentionMetadata.one_token_each(tables, positions, planned, self.block_size)
+        return self._layer(ids, positions, meta, hidden)

@@ -36,16 +36,16 @@ import torch
 from engine.attention import build_backend
 from engine.attention.base import AttentionMetadata, ForwardContext, padded_tables
 from engine.config import SpeculativeConfig
-from engine.spec.base import Drafter, Drafting, LaunchStep
+from engine.spec.base import Drafting, LaunchStep
 from engine.spec.chain import Chained, ChainStart, launch_chain
-from engine.spec.graphs import RowGraphs
+from engine.spec.graphs import RowsDrafter
 from kvstore.layout import KVCache
 
 if TYPE_CHECKING:
     from engine.models.base import CausalLM
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(RowsDrafter):
     name = "mtp"
     needs_hidden = True
     on_device = True
@@ -65,7 +65,6 @@ class MTPDrafter(Drafter):
         self.device = next(model.parameters()).device
         self.block_size = 0
         self._max_len = model.config.max_position_embeddings
-        self.graphs: RowGraphs | None = None
 
     def kv_layers(self) -> int:
         return 1
@@ -81,19 +80,12 @@ class MTPDrafter(Drafter):
         drafting request from its last real row (module docstring), all queued."""
         chunks = step.chunks
         n = sum(c.num_tokens for c in chunks)
-        end = max(c.end_pos for c in chunks)
-        graphs = self.graphs
         decode = all(c.is_decode for c in chunks)
-        if step.shift is not None or (graphs is not None and decode):
+        if step.shift is not None or (self.graphs is not None and decode):
             # decode rows: one row a sequence, positions known on the device (moved back
             # by ``shift`` when the step was planned before the one before it was known)
             positions, tables, planned = step.token_rows(chunks)
-            if graphs is not None and graphs.accepts(n, end):
-                stream = graphs.run(step.next_ids, positions, step.hidden[:n], tables)
-            else:
-                meta = AttentionMetadata.one_token_each(tables, positions, planned,
-                                                        self.block_size)  # fmt: skip
-                stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
+            stream = self._rows(step.next_ids, positions, step.hidden[:n], tables, planned)
         else:
             positions, meta = step.chunk_rows(chunks, self.block_size)
             stream = self._layer(step.next_ids, positions, meta, step.hidden[:n])
@@ -110,13 +102,7 @@ class MTPDrafter(Drafter):
 
         def forward(active: list[int], tokens: torch.Tensor, bounds: list[int]) -> torch.Tensor:
             index, positions = step.placed(active, bounds)  # where the drafts really go
-            prev = state["hidden"][index]
-            if graphs is not None and graphs.accepts(len(active), max(bounds) + 1):
-                out = graphs.run(tokens, positions, prev, tables[active])
-            else:
-                meta = AttentionMetadata.one_token_each(tables[active], positions, bounds,
-                                                        self.block_size)  # fmt: skip
-                out = self._layer(tokens, positions, meta, prev)
+            out = self._rows(tokens, positions, state["hidden"][index], tables[active], bounds)
             full = state["hidden"].clone()
             full[index] = out
             state["hidden"] = full
@@ -126,14 +112,6 @@ class MTPDrafter(Drafter):
                                self.model.config.vocab_size)  # fmt: skip
         chained.start_copy()
         return Drafting(ids, chained)
-
-    def capture_graphs(self, max_rows: int, max_seq_len: int, capture: bool = True) -> RowGraphs:
-        """From now on, the layer's calls over one-token rows (up to ``max_rows``, within
-        ``max_seq_len``) replay CUDA graphs (``engine.spec.graphs``; ``capture=False``:
-        the same buffers, run eagerly)."""
-        self.graphs = RowGraphs(self._layer, self.model, self.backend, self.block_size,
-                                max_rows, min(max_seq_len, self._max_len), capture)  # fmt: skip
-        return self.graphs
 
     def _layer(
         self, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
