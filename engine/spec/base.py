@@ -131,6 +131,18 @@ class LaunchStep:
     input_ids: torch.Tensor | None = None
     context: Callable[[str], Sequence[int]] = lambda request_id: ()
 
+    def rows_of(
+        self, keep: Callable[[ScheduledChunk], bool]
+    ) -> tuple[list[ScheduledChunk], list[int]]:
+        """The chunks ``keep`` takes, and the step's rows that are theirs, in order."""
+        chunks, rows, first = [], [], 0
+        for c in self.chunks:
+            if keep(c):
+                chunks.append(c)
+                rows += range(first, first + c.num_tokens)
+            first += c.num_tokens
+        return chunks, rows
+
     def chunk_rows(
         self, chunks: list[ScheduledChunk], block_size: int
     ) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -110,21 +110,15 @@ class DraftModelDrafter(RowsDrafter):
     def launch(self, step: LaunchStep) -> Drafting:
         from engine.runner import step_inputs
 
-        chunks = step.chunks
-        fresh = [i for i, c in enumerate(chunks) if c.request_id in self._fresh]
+        fresh = {c.request_id for c in step.chunks} & self._fresh
         if fresh:  # the whole context up to the chunk's end, from the host's tokens
-            whole = [ScheduledChunk(chunks[i].request_id,
-                                    list(step.context(chunks[i].request_id)[: chunks[i].end_pos]),
-                                    0, chunks[i].block_ids, False) for i in fresh]  # fmt: skip
+            whole = [ScheduledChunk(c.request_id, list(step.context(c.request_id)[: c.end_pos]),
+                                    0, c.block_ids, False)
+                     for c in step.chunks if c.request_id in fresh]  # fmt: skip
             inputs, _ = step_inputs(whole, self.block_size, self.device)
             self._layer(inputs.input_ids, inputs.positions, inputs.meta)
-            self._fresh -= {c.request_id for c in whole}
-        first, rows, others = 0, [], []
-        for i, c in enumerate(chunks):
-            if i not in fresh:
-                rows += range(first, first + c.num_tokens)
-                others.append(c)
-            first += c.num_tokens
+            self._fresh -= fresh
+        others, rows = step.rows_of(lambda c: c.request_id not in fresh)
         if others:  # the step's rows, with its input tokens
             index = device_index(rows, self.device)
             ids = step.input_ids[index]

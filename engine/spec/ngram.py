@@ -168,7 +168,7 @@ class NgramDrafter(Drafter):
     def launch(self, step: LaunchStep) -> Drafting:
         """Write the step's tokens into the table, then look up the drafting requests'
         suffixes (module docstring), all queued."""
-        chunks = [c for c in step.chunks if c.request_id in self._requests]
+        chunks, rows = step.rows_of(lambda c: c.request_id in self._requests)
         if not chunks:
             return _NgramDrafting([])
         device = step.next_ids.device
@@ -181,11 +181,6 @@ class NgramDrafter(Drafter):
                 context = np.asarray(step.context(c.request_id)[: width - 1], dtype=np.int32)
                 table[request.row, : len(context)] = host_to_device(context, device)
                 request.fresh = False
-        rows, first = [], 0
-        for c in step.chunks:
-            if c.request_id in self._requests:
-                rows += range(first, first + c.num_tokens)
-            first += c.num_tokens
         index = device_index(rows, device)
         positions, _ = step.row_positions(chunks, index)
         owners = np.repeat([self._requests[c.request_id].row for c in chunks],
