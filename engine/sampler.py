@@ -159,6 +159,23 @@ def _pinned_logprobs(lp: _DeviceLogprobs | None) -> _DeviceLogprobs | None:
     )  # fmt: skip
 
 
+class HostCopy:
+    """Device tensors and, on CUDA, their copies to pinned host memory queued behind the
+    work queued so far: ``lists`` waits for that work only, not for what is queued after."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._tensors, self._ready = tensors, None
+        if tensors and tensors[0].is_cuda:
+            self._tensors = tuple(pinned_copy(t) for t in tensors)
+            self._ready = _recorded()
+
+    def lists(self) -> list[list]:
+        """Each tensor as a (nested) list (the one wait)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [t.tolist() for t in self._tensors]
+
+
 def _recorded() -> torch.cuda.Event:
     """An event recorded on the current stream: what the copies queued so far wait for."""
     event = torch.cuda.Event()

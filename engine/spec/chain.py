@@ -25,7 +25,7 @@ import torch
 
 from engine.attention.base import device_index
 from engine.config import SpeculativeConfig
-from engine.sampler import pinned_copy
+from engine.sampler import HostCopy
 
 
 @dataclass(frozen=True)
@@ -53,16 +53,13 @@ class Chained:
 
     num_starts: int
     depths: list[tuple[list[int], torch.Tensor, torch.Tensor]]
-    _host: tuple[torch.Tensor, torch.Tensor] | None = None
+    _copy: HostCopy | None = None
 
     def start_copy(self) -> None:
         """Queue the copy to the host behind the chain (on CUDA), so that ``to_host``
         waits for the chain only."""
-        if self.depths and self.depths[0][1].is_cuda:
-            tokens, conf = self._flat()
-            self._host = (pinned_copy(tokens), pinned_copy(conf))
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        if self.depths:
+            self._copy = HostCopy(*self._flat())
 
     def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.cat([t for _, t, _ in self.depths]),
@@ -82,12 +79,7 @@ class Chained:
         out: list[tuple[list[int], list[float]]] = [([], []) for _ in range(self.num_starts)]
         if not self.depths:
             return out
-        if self._host is not None:
-            self._ready.synchronize()
-            tokens, conf = self._host
-        else:
-            tokens, conf = self._flat()
-        all_tokens, all_conf = tokens.tolist(), conf.tolist()
+        all_tokens, all_conf = (self._copy or HostCopy(*self._flat())).lists()
         at = 0
         for rows, _, _ in self.depths:
             for i in rows:

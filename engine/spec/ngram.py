@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import device_index, host_to_device
 from engine.plan import NewRequest
-from engine.sampler import pinned_copy
+from engine.sampler import HostCopy
 from engine.spec.base import Drafter, Drafting, LaunchStep
 
 PRIOR_WEIGHT = 4.0  # the global statistics count as this many observations of a request
@@ -65,45 +65,25 @@ class _Request:
 
 
 @dataclass
-class _Lookup:
-    """Lookups queued on the device: per drafting request, its drafts (a table, 0 past
-    the last), how many, and the match length; copied to the host behind them."""
-
-    tokens: torch.Tensor  # [R, width]
-    counts: torch.Tensor  # [R]
-    match_len: torch.Tensor  # [R]
-    _host: tuple[torch.Tensor, ...] | None = None
-
-    def start_copy(self) -> None:
-        if self.tokens.is_cuda:
-            self._host = tuple(pinned_copy(t) for t in (self.tokens, self.counts, self.match_len))
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def to_host(self) -> tuple[list[list[int]], list[int], list[int]]:
-        if self._host is None:
-            return self.tokens.tolist(), self.counts.tolist(), self.match_len.tolist()
-        self._ready.synchronize()
-        return tuple(t.tolist() for t in self._host)  # type: ignore[return-value]
-
-
-@dataclass
 class _NgramDrafting(Drafting):
-    """``Drafting`` of a lookup: the confidences come from the drafter's statistics."""
+    """``Drafting`` of a lookup: per drafting request its drafts on the device (``tokens``,
+    a table, 0 past the last), and those, how many and the match length copied to the
+    host behind them (``copy``); the confidences come from the drafter's statistics."""
 
-    lookup: _Lookup | None = None
+    tokens: torch.Tensor | None = None  # [R, width]
+    copy: HostCopy | None = None
     drafter: NgramDrafter | None = field(default=None, repr=False)
 
     def to_host(self) -> dict[str, tuple[list[int], list[float]]]:
-        if self.lookup is None:
+        if self.copy is None:
             return {}
-        tokens, counts, lengths = self.lookup.to_host()
+        tokens, counts, lengths = self.copy.lists()
         return {rid: self.drafter.found(rid, row[:c], n)
                 for rid, row, c, n in zip(self.request_ids, tokens, counts, lengths)}  # fmt: skip
 
     def table(self, width: int) -> torch.Tensor:
-        assert self.lookup is not None
-        return F.pad(self.lookup.tokens, (0, width - self.lookup.tokens.shape[1]))
+        assert self.tokens is not None
+        return F.pad(self.tokens, (0, width - self.tokens.shape[1]))
 
 
 class NgramDrafter(Drafter):
@@ -189,13 +169,16 @@ class NgramDrafter(Drafter):
         table.view(-1).index_copy_(0, at, step.next_ids[index].to(table.dtype))
         if not step.requests:
             return _NgramDrafting([])
-        lookup = self._lookup(step, table, device)
-        lookup.start_copy()
-        return _NgramDrafting([r.request_id for r in step.requests], lookup=lookup, drafter=self)
+        tokens, counts, match_len = self._lookup(step, table, device)
+        return _NgramDrafting([r.request_id for r in step.requests], tokens=tokens,
+                              copy=HostCopy(tokens, counts, match_len), drafter=self)  # fmt: skip
 
-    def _lookup(self, step: LaunchStep, table: torch.Tensor, device: torch.device) -> _Lookup:
+    def _lookup(
+        self, step: LaunchStep, table: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per drafting request: the tokens after the most recent earlier occurrence of
-        its longest matching suffix (``ngram_min`` .. ``ngram_max`` tokens), if any."""
+        its longest matching suffix (``ngram_min`` .. ``ngram_max`` tokens), if any (a
+        table [R, width], 0 past them), how many, and the match length."""
         requests = step.requests
         span = max(step.bounds) + 1  # every sequence is at most this long
         seqs = table[device_index([self._requests[r.request_id].row for r in requests], device),
@@ -221,7 +204,7 @@ class NgramDrafter(Drafter):
         j = torch.arange(width, device=device)
         tokens = seqs.gather(1, (last[:, None] + 1 + j).clamp(0, span - 1)).long()
         tokens = torch.where(j < count[:, None], tokens, 0)
-        return _Lookup(tokens, count, match_len)
+        return tokens, count, match_len
 
     def _grown(self, capacity: int, device: torch.device) -> torch.Tensor:
         """The token table, with a row for every request and at least ``capacity``
