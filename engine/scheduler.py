@@ -278,17 +278,12 @@ class Scheduler:
     def _append(
         self, req: Request, tokens: list[int], result: StepResult
     ) -> tuple[list[int], str | None]:
-        """Append ``tokens`` one by one until one ends the request; returns those appended
+        """Append ``tokens`` up to the first that ends the request; returns those appended
         and the finish reason (None: it goes on)."""
-        for i, token in enumerate(tokens):
-            req.output_token_ids.append(token)
-            if i == len(tokens) - 1:
-                reason = self._last_reason(req, token, result)
-            else:
-                reason = self._stop_reason(req, token)
-            if reason is not None:
-                return tokens[: i + 1], reason
-        return tokens, None
+        req.output_token_ids += tokens
+        kept, reason = self._resolved(req, tokens, result)
+        del req.output_token_ids[len(req.output_token_ids) - len(tokens) + len(kept) :]
+        return kept, reason
 
     def _resolved(
         self, req: Request, tokens: list[int], result: StepResult
