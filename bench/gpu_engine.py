@@ -33,6 +33,7 @@ import torch
 
 from bench.common import machine_info
 from engine.attention import build_backend
+from engine.cuda_graphs import capture_graph
 from engine.loader import load_model
 from engine.models.llama import Linear
 from engine.models.moe import MoE
@@ -101,16 +102,7 @@ def _events_ms(fn, repeats: int) -> float:
 def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
     """GPU time of one ``fn()`` in ms: ``calls`` of it captured in one CUDA graph, the graph
     replayed ``replays`` times between two events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph, _ = capture_graph(lambda: [fn() for _ in range(calls)], warmups=1)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

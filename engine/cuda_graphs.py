@@ -116,21 +116,6 @@ class Buckets:
                 self.dry_run()
         return torch.cuda.graph_pool_handle()
 
-    @staticmethod
-    def _graph(forward, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-        """``forward()`` run twice on a side stream (kernels built, library handles and
-        workspaces made), then captured into ``pool``: the graph and what it returned."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = forward()
-        return graph, out
-
 
 class DecodeGraphs(Buckets):
     """Static buffers and captured graphs for decode steps of up to ``max_batch`` sequences
@@ -282,7 +267,7 @@ class DecodeGraphs(Buckets):
         for size in reversed(self.sizes):
             bucket = self._buckets[size]
             self._fill(bucket, [])  # all padding: writes only the null block
-            bucket.graph, (bucket.hidden, bucket.logits) = self._graph(
+            bucket.graph, (bucket.hidden, bucket.logits) = capture_graph(
                 lambda bucket=bucket: self._forward(bucket), pool)
         torch.cuda.synchronize()
         self.captured = True
@@ -397,6 +382,22 @@ class _KeepAllocations(TorchDispatchMode):
 def _is_view(func) -> bool:
     returns = func._schema.returns
     return bool(returns) and returns[0].alias_info is not None
+
+
+def capture_graph(forward, pool=None, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``forward()`` run ``warmups`` times on a side stream (kernels built, library
+    handles and workspaces made), then captured into ``pool`` (None: a pool of its own):
+    the graph and what the captured call returned."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 def copy_in(dst: torch.Tensor, host: np.ndarray) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata, slots_of
-from engine.cuda_graphs import NULL_SLOT, Buckets, batch_buckets, copy_in
+from engine.cuda_graphs import NULL_SLOT, Buckets, batch_buckets, capture_graph, copy_in
 from engine.models.base import CausalLM
 from engine.spec.base import Drafter
 
@@ -152,8 +152,8 @@ class RowGraphs(Buckets):
         for size in reversed(self.sizes):
             bucket = self._buckets[size]
             self._padding(bucket)
-            bucket.graph, bucket.out = self._graph(lambda bucket=bucket: self._forward(bucket),
-                                                   pool)  # fmt: skip
+            bucket.graph, bucket.out = capture_graph(lambda bucket=bucket: self._forward(bucket),
+                                                     pool)  # fmt: skip
         torch.cuda.synchronize()
         self.captured = True
         log.info("captured the drafter's CUDA graphs for %s rows in %.1f s",
