@@ -209,7 +209,7 @@ class NgramDrafter(Drafter):
     def _grown(self, capacity: int, device: torch.device) -> torch.Tensor:
         """The token table, with a row for every request and at least ``capacity``
         positions (grown by doubling)."""
-        rows = max((r.row for r in self._requests.values()), default=0) + 1
+        rows = len(self._requests) + len(self._free)  # every row handed out so far
         table = self._table
         if table is None or table.shape[0] < rows or table.shape[1] < capacity:
             old_rows, old_cap = (0, 0) if table is None else table.shape
