@@ -363,12 +363,13 @@ class EngineCore:
         """One engine step: plan, run, fold the sampled tokens back.
 
         With overlap scheduling the device never waits for the host between steps: a
-        step whose requests can all go on before their tokens are known (no grammar, no
-        penalty or min_tokens that reads the outputs, not prefill-only; with drafts only
-        as ``_can_run_on`` says) is left running, and the next ``step`` plans and
-        launches its successor — whose input tokens come from that step's output on the
-        device — before it collects it. A request that the collected tokens end has then
-        run one step too many; that step's tokens are dropped.
+        step whose requests can all go on before their tokens are known (no grammar, not
+        prefill-only; with drafts only as ``_can_run_on`` says; penalties and min_tokens
+        count the tokens the device alone has: ``sampler.PendingTokens``) is left running,
+        and the next ``step`` plans and launches its successor — whose input tokens come
+        from that step's output on the device — before it collects it. A request that the
+        collected tokens end has then run one step too many; that step's tokens are
+        dropped.
         """
         if self.grammars and not self.scheduler.has_work and self._inflight is None:
             self.grammars.wait(_GRAMMAR_POLL_S)
@@ -384,9 +385,6 @@ class EngineCore:
         outputs += failed
         outputs += self._drop_uncomputable()
         previous, self._inflight = self._inflight, None
-        if previous is not None and not self._can_plan_after(previous[0]):
-            outputs += self.scheduler.update(previous[0], self.runner.finish(previous[1]))
-            previous = None
         launched = None
         start = time.perf_counter()
         if self.scheduler.has_work:
@@ -416,33 +414,20 @@ class EngineCore:
                 self.media.release(out.request_id)
         return outputs
 
-    def _can_plan_after(self, plan: StepPlan) -> bool:
-        """Whether the next step can still be planned before ``plan``'s tokens are known:
-        after a step that verifies drafts only while it holds nothing but decode rows
-        (``_can_run_on``); a request that arrived since must wait for its outcome."""
-        return not plan.num_draft_tokens or not self.scheduler.waiting
-
     def _can_run_on(self, plan: StepPlan) -> bool:
         """Whether the next step can be planned before ``plan``'s tokens are known. After a
-        step that verifies drafts, only where its drafter drafts on the device and the next
-        step holds nothing but decode rows (every running request is in ``plan`` and
-        samples, nothing waits): the device places those rows after the tokens kept
-        (``engine.runner``); a host drafter's drafts need the tokens on the host."""
+        step that verifies drafts, only where its drafter drafts on the device: the device
+        places the next rows of its requests after the tokens kept (``engine.runner``),
+        whatever else the next step holds; a host drafter's drafts need the tokens on the
+        host. Never after a structured request's step: its next mask needs its grammar
+        advanced by the tokens on the host."""
         if not self.scheduler.overlappable:
             return False
-        if plan.num_draft_tokens and not (
-            self.scheduler.spec.on_device and not self.scheduler.waiting
-            and len(plan.chunks) == len(self.scheduler.running)
-            and all(c.sample for c in plan.chunks)
-        ):  # fmt: skip
+        if plan.num_draft_tokens and not self.scheduler.spec.on_device:
             return False
         for chunk in plan.chunks:
             req = self.scheduler.requests.get(chunk.request_id)
-            if req is None:
-                continue
-            sp = req.sampling
-            if (req.grammar is not None or sp.min_tokens or sp.presence_penalty
-                    or sp.frequency_penalty or sp.repetition_penalty != 1.0):  # fmt: skip
+            if req is not None and req.grammar is not None:
                 return False
         return True
 

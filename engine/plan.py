@@ -80,6 +80,24 @@ class ScheduledChunk:
         return self.token_ids[len(self.token_ids) - self.num_draft :] if self.num_draft else []
 
 
+def one_token_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
+    """Each chunk of one token plus drafts as one-token chunks of their own over its
+    sequence's blocks, whatever shares the step (None when no chunk has drafts): a verify
+    chunk's rows then take the decode path of every attention backend, and a row moved
+    back on the device (``engine.runner``) is a sequence of its own."""
+    if not any(c.num_draft and c.is_decode for c in chunks):
+        return None
+    return [
+        row
+        for c in chunks
+        for row in (
+            [ScheduledChunk(c.request_id, [t], c.start_pos + j, c.block_ids, True)
+             for j, t in enumerate(c.token_ids)]
+            if c.num_draft and c.is_decode else [c]
+        )
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)

@@ -16,17 +16,18 @@ Speculative decoding: a chunk with drafts (``ScheduledChunk.num_draft``) has its
 ``num_draft + 1`` rows verified in the same forward (``Sampler.verify``: each row's
 sampling history holds the drafts before it, and a structured request's mask row is its
 grammar's state after them); the request gets the kept drafts and one sampled token.
-When every chunk of a step is one token plus drafts, each of its tokens becomes a row of
-its own over the sequence's block table (context up to that token), so verify steps take
-the decode path of every attention backend and replay the decode CUDA graphs by bucket
-of rows. After the step's tokens are known the ``Drafter`` (``engine.spec``) proposes the
-next drafts; they come back in ``StepResult.proposals``, cut where a request's grammar
-would reject one. A drafter ``on_device`` drafts in ``launch`` instead, right behind the
-verification, from the tokens on the device; its drafts come back with the step's. The
-step after it may then be planned before its outcome: its placeholders (the token after
-the kept drafts, the drafts made behind the step) are filled in on the device, where its
-rows are moved back by the drafts rejected (``resolve_inputs``). The drafts a verify step
-checks are read from its own input tokens on the device.
+Each token of a chunk of one token plus drafts becomes a row of its own over the sequence's
+block table (context up to that token), whatever shares the step, so verify rows take the
+decode path of every attention backend, and steps of nothing else replay the decode CUDA
+graphs by bucket of rows. After the step's tokens are known the ``Drafter``
+(``engine.spec``) proposes the next drafts; they come back in ``StepResult.proposals``, cut
+where a request's grammar would reject one. A drafter ``on_device`` drafts in ``launch``
+instead, right behind the verification, from the tokens on the device; its drafts come back
+with the step's. The step after it may then be planned before its outcome: its placeholders
+(the token after the kept drafts, the drafts made behind the step) are filled in on the
+device, where its rows are moved back by the drafts rejected (``resolve_inputs``); new
+prompts may share that step. The drafts a verify step checks are read from its own input
+tokens on the device.
 Images (``NewRequest.media``): a chunk that covers an image's placeholder tokens takes
 their embeddings from ``embeddings(request_id)`` (one tensor per image, in order) and
 hands them to the model as ``Spliced`` rows; a model whose ``rope_table`` places a
@@ -62,18 +63,26 @@ from engine.attention.base import (
     ForwardContext,
     device_index,
     host_to_device,
+    move_back,
     padded_tables,
-    slots_of,
 )
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
 from engine.messages import TokenLogprob
 from engine.models.base import CausalLM, RopeTable, Spliced
 from engine.models.quant import decode_rows
 from engine.piecewise_graphs import TOKEN_BUCKETS, PiecewiseGraphs
-from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult, StepTiming
+from engine.plan import (
+    NewRequest,
+    ScheduledChunk,
+    StepPlan,
+    StepResult,
+    StepTiming,
+    one_token_rows,
+)
 from engine.request import UNRESOLVED, draft_index
 from engine.sampler import (
     DraftGroup,
+    PendingTokens,
     PromptLogprobs,
     SampledTokens,
     Sampler,
@@ -130,20 +139,22 @@ class _RowState:
         self.prompt_parts, self.prompt_sent = [], True
         return entries
 
-    def row(self, drafts: list[int] | None = None) -> SamplingRow:
-        """The sampling row of the next token, or of the one after ``drafts`` (their
-        history then holds them: penalties and min_tokens count them)."""
-        outputs = self.output_token_ids
-        sp = self.new.sampling
-        if drafts and (sp.needs_penalties or len(outputs) < sp.min_tokens):
-            outputs = [*outputs, *drafts]
+    def row(self) -> SamplingRow:
+        """The sampling row of its tokens so far (on the host: ``ModelRunner._pending``
+        adds what the device alone knows)."""
         return SamplingRow(
-            params=sp,
+            params=self.new.sampling,
             generator=self.generator,
             prompt_token_ids=self.new.prompt_token_ids,
-            output_token_ids=outputs,
+            output_token_ids=self.output_token_ids,
             eos_token_ids=self.new.eos_token_ids,
         )
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling its next token reads its output so far (penalties, min_tokens)."""
+        sp = self.new.sampling
+        return sp.needs_penalties or len(self.output_token_ids) < sp.min_tokens
 
     def token_ids(self) -> list[int]:
         return [*self.new.prompt_token_ids, *self.output_token_ids]
@@ -381,7 +392,9 @@ class ModelRunner:
           it rejected (the plan placed them as if all were kept): positions, context
           lengths and KV slots (``self._shift`` keeps how far, for the drafter).
 
-        The step must then be decode rows, one token per sequence."""
+        Such a request's rows must be one-token sequences (``plan.one_token_rows``): only the
+        device knows their lengths, which the attention backends read there for one-token
+        sequences (``AttentionMetadata``)."""
         self._shift = None
         n = len(owners)
         prev = self._previous
@@ -424,18 +437,19 @@ class ModelRunner:
             ids[device_index(where.tolist(), device)] = flat[index]
         if not moved:
             return
-        if meta.max_query_len != 1 or len(meta.seq_lens_cpu) < n:
-            raise RuntimeError("a step after one whose drafts are still being verified must "
-                               "be decode rows")  # fmt: skip
+        # the sequence of each row (a CUDA graph's buffers hold more rows than the step)
+        seq_of = np.repeat(np.arange(meta.num_seqs), meta.query_lens_cpu)[:n]
+        if len(seq_of) < n or any(meta.query_lens_cpu[seq_of[i]] != 1 for i in moved):
+            raise RuntimeError("a request whose drafts are still being verified must run "
+                               "one-token rows in the step after")  # fmt: skip
         groups = [prev.verify[owners[i]] for i in moved]
         rejected = (device_index([verified.groups[g].num_draft for g in groups], device)
                     - kept[device_index(groups, device)])  # fmt: skip
-        shift = torch.zeros(n, dtype=torch.long, device=device)
-        shift[device_index(moved, device)] = rejected
-        positions[:n] -= shift
-        meta.seq_lens[:n] -= shift.to(meta.seq_lens.dtype)
-        meta.slot_mapping[:n] = slots_of(meta.block_tables[:n], positions[:n], self.block_size)
-        self._shift = shift
+        rows = device_index(moved, device)
+        move_back(meta, positions, rows, device_index(seq_of[moved], device), rejected,
+                  self.block_size)  # fmt: skip
+        self._shift = torch.zeros(n, dtype=torch.long, device=device)
+        self._shift[rows] = rejected
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
         """Run the forward and sampling of a plan without drafts; returns the sampled
@@ -450,10 +464,60 @@ class ModelRunner:
                 return None
             return sample_ids, self._sample_plain(logits, sample_ids)
 
-    def _sample_plain(self, logits: torch.Tensor, sample_ids: list[str]) -> SampledTokens:
+    def _sample_plain(self, logits: torch.Tensor, sample_ids: list[str],
+                      unresolved: frozenset[str] = frozenset()) -> SampledTokens:  # fmt: skip
         states = [self.states[rid] for rid in sample_ids]
         mask = build_mask([s.grammar for s in states], self.sampler.vocab_size)
-        return self.sampler.sample(logits, [s.row() for s in states], mask)
+        pending = self._pending(sample_ids, unresolved)
+        return self.sampler.sample(logits, [s.row() for s in states], mask, pending)
+
+    def _pending(self, request_ids: list[str], unresolved: frozenset[str],
+                 before: list[list[int]] | None = None) -> PendingTokens | None:  # fmt: skip
+        """Per row (of ``request_ids``), the tokens of its history that only the device
+        holds: what the step before yielded for its request when this step was planned
+        before that was back (``unresolved``), then the input tokens of the step's rows
+        ``before`` it (a verify row's drafts). None when no row's sampling reads its
+        history (penalties, min_tokens)."""
+        if not any(self.states[rid].reads_history for rid in request_ids) or (
+            unresolved.isdisjoint(request_ids) and not any(before or ())
+        ):  # fmt: skip
+            return None
+        prev, device = self._previous, self.device
+        verified = prev.verified
+        n_plain = 0 if prev.plain_tokens is None else prev.plain_tokens.numel()
+        # one flat source: the tokens the step before sampled, those its verification
+        # yielded, and a 0 (padding)
+        flat = torch.cat([t.reshape(-1) for t in (prev.plain_tokens,
+                                                  verified and verified.tokens)
+                          if t is not None] + [self._ids.new_zeros(1)])  # fmt: skip
+        width = max((verified.groups[prev.verify[r]].num_rows if r in prev.verify else 1)
+                    for r in request_ids if r in unresolved) if unresolved else 0  # fmt: skip
+        index = np.full((len(request_ids), max(width, 1)), flat.numel() - 1, np.int64)
+        group = np.full(index.shape, -1, np.int64)  # real while ``j`` <= the group's kept
+        real = np.zeros(index.shape, bool)
+        for i, rid in enumerate(request_ids):
+            if rid not in unresolved:
+                continue
+            if rid in prev.plain:
+                index[i, 0], real[i, 0] = prev.plain[rid], True
+            else:
+                g = verified.groups[prev.verify[rid]]
+                index[i, : g.num_rows] = n_plain + g.row + np.arange(g.num_rows)
+                group[i, : g.num_rows], real[i, : g.num_rows] = prev.verify[rid], True
+        tokens = flat[host_to_device(index, device)]
+        valid = host_to_device(real, device)
+        if verified is not None and (group >= 0).any():
+            kept = verified.kept[host_to_device(np.maximum(group, 0), device)]
+            j = torch.arange(index.shape[1], device=device)
+            valid = valid & ((host_to_device(group, device) < 0) | (j <= kept))
+        if before is not None and any(before):
+            rows = np.zeros((len(before), max(map(len, before))), np.int64)
+            mine = np.zeros(rows.shape, bool)
+            for i, b in enumerate(before):
+                rows[i, : len(b)], mine[i, : len(b)] = b, True
+            tokens = torch.cat((tokens, self._ids[host_to_device(rows, device)]), 1)
+            valid = torch.cat((valid, host_to_device(mine, device)), 1)
+        return PendingTokens(tokens, valid)
 
     def _sample_and_verify(
         self, plan: StepPlan, logits: torch.Tensor, hidden: torch.Tensor | None, clock: _Clock
@@ -476,44 +540,47 @@ class ModelRunner:
                 plain_ids.append(chunk.request_id)
                 plain_rows.append(row)
             row += chunk.num_sampled_rows
+        # planned before the step before was back: its input token is a placeholder
+        unresolved = frozenset(c.request_id for c in plan.chunks
+                               if c.sample and c.token_ids[0] == UNRESOLVED)  # fmt: skip
         plain = verified = None
         if plain_ids:
             rows = logits if not verify_ids else logits[device_index(plain_rows, self.device)]
-            plain = self._sample_plain(rows, plain_ids)
+            plain = self._sample_plain(rows, plain_ids, unresolved)
         if verify_ids:
             rows = logits if not plain_ids else logits[device_index(verify_rows, self.device)]
-            verified = self._verify(rows, verify_ids, groups, drafts)
+            verified = self._verify(rows, verify_ids, groups, drafts, unresolved)
         wanted = self.drafter is not None and self.drafter.needs_hidden
         return _Launched(plan, plain_ids, plain, verify_ids, verified,
                          hidden if wanted else None, clock)  # fmt: skip
 
     def _verify(
         self, logits: torch.Tensor, request_ids: list[str], groups: list[DraftGroup],
-        draft_rows: list[int],
+        draft_rows: list[int], unresolved: frozenset[str] = frozenset(),
     ) -> VerifiedTokens:  # fmt: skip
         """``draft_rows``: per verified row, the step's row whose input token is the draft
         it checks (-1: a group's last row); the drafts are read there, on the device,
-        where a draft made behind the step before is only known."""
+        where a draft made behind the step before is only known (the history of the rows
+        after it too: ``_pending``)."""
         states = [self.states[rid] for rid in request_ids]
-        rows = [
-            s.row(g.draft_token_ids[:j]) for s, g in zip(states, groups) for j in range(g.num_rows)
-        ]
+        rows = [s.row() for s, g in zip(states, groups) for _ in range(g.num_rows)]
+        owners = [rid for rid, g in zip(request_ids, groups) for _ in range(g.num_rows)]
+        before = [draft_rows[g.row : g.row + j] for g in groups for j in range(g.num_rows)]
         mask = build_draft_mask(
             [(s.grammar, g.draft_token_ids) for s, g in zip(states, groups)],
             self.sampler.vocab_size,
         )
         at = device_index(draft_rows, self.device)
         drafts = torch.where(at >= 0, self._ids[at.clamp(min=0)], -1)
-        return self.sampler.verify(logits, rows, mask, groups, drafts)
+        pending = self._pending(owners, unresolved, before)
+        return self.sampler.verify(logits, rows, mask, groups, drafts, pending)
 
     def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of the rows to sample or verify (each sampling chunk's in turn) and the
         step's hidden states (one row per token; None from a CUDA graph without them)."""
-        chunks = plan.chunks
+        chunks = one_token_rows(plan.chunks) or plan.chunks
         self._shift = None
         prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
-        if not any(prompt_rows):
-            chunks = _decode_rows(chunks) or chunks
         offsets = [self.states[c.request_id].rope_offset(c.start_pos) for c in chunks]
         if (self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows)
                 and None not in offsets):  # fmt: skip
@@ -876,15 +943,4 @@ def _decode_row_mask(chunks: list[ScheduledChunk]) -> torch.Tensor | bool | None
         return None
     return torch.tensor([k for c, k in zip(chunks, kinds) for _ in range(c.num_tokens)])
 
-
-def _decode_rows(chunks: list[ScheduledChunk]) -> list[ScheduledChunk] | None:
-    """When every chunk is one token plus drafts (some with drafts), each token as a
-    one-token chunk of its own over its sequence's blocks; else None."""
-    if not any(c.num_draft for c in chunks) or not all(c.is_decode for c in chunks):
-        return None
-    return [
-        ScheduledChunk(c.request_id, [t], c.start_pos + j, c.block_ids, True)
-        for c in chunks
-        for j, t in enumerate(c.token_ids)
-    ]
 

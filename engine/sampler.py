@@ -30,22 +30,26 @@ best first.
 
 Verification (``Sampler.verify(logits, rows, mask, groups)``, speculative decoding): each
 ``DraftGroup`` is one request's ``k + 1`` consecutive rows, row ``j`` scoring the position
-after its ``j``-th draft token, with a ``SamplingRow`` whose output history holds the
-drafts before it (so steps 1-5 see what sampling there would see; the mask row is the
-grammar's state after those drafts). Per row, steps 1-5 and then 6 (greedy: all mass on
-the argmax) or 7's filters give the target distribution ``q``. A draft is a point mass
-(the drafter's one proposed token ``d``): draft ``j + 1`` is kept when ``u < q_j(d)``
-for a fresh uniform ``u`` (greedy: iff ``d`` is the argmax), and the first rejection
-stops the group; the token sampled at the first rejected row comes from the residual
-``q_j`` with ``d`` removed and renormalised, and after ``k`` kept drafts from ``q_k``.
-The tokens a group yields (kept drafts, then the sampled one) are therefore distributed
-exactly as sampling one token at a time would give them. Logprobs are the raw model's of
-each token yielded, at its row. Two uniforms per row (acceptance, then the draw), from
-the row's generator when it has one.
+after its ``j``-th draft token, with a ``SamplingRow`` whose output history (or its
+``PendingTokens``) holds the drafts before it (so steps 1-5 see what sampling there would
+see; the mask row is the grammar's state after those drafts). Per row, steps 1-5 and then 6
+(greedy: all mass on the argmax) or 7's filters give the target distribution ``q``. A draft
+is a point mass (the drafter's one proposed token ``d``): draft ``j + 1`` is kept when
+``u < q_j(d)`` for a fresh uniform ``u`` (greedy: iff ``d`` is the argmax), and the first
+rejection stops the group; the token sampled at the first rejected row comes from the
+residual ``q_j`` with ``d`` removed and renormalised, and after ``k`` kept drafts from
+``q_k``. The tokens a group yields (kept drafts, then the sampled one) are therefore
+distributed exactly as sampling one token at a time would give them. Logprobs are the raw
+model's of each token yielded, at its row. Two uniforms per row (acceptance, then the draw),
+from the row's generator when it has one.
 
 Prompt logprobs (``Sampler.prompt_logprobs(logits, targets, k)``): the same raw logprobs of
 *given* tokens, one per row (a prompt position's logits and the prompt token that follows
 it), with each token's rank and the ``k`` best tokens; nothing is sampled.
+
+History the device alone knows (``PendingTokens``: the tokens of a step still running,
+drafts made on the device) counts in steps 2-4 like the rest: the penalties count each
+row's ids on the device and min_tokens compares there.
 
 No host-device synchronisation: on CUDA every host value (parameters, row indices, token ids)
 reaches the device through a non-blocking copy from pinned memory, sizes that depend on the
@@ -202,9 +206,11 @@ class Sampler:
         return self.sample(logits, rows, mask).to_host()
 
     def sample(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None
-    ) -> SampledTokens:
-        """The same choices as ``__call__``, left on the device (queued, never waited for)."""
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: TokenMask | None = None,
+        pending: PendingTokens | None = None,
+    ) -> SampledTokens:  # fmt: skip
+        """The same choices as ``__call__``, left on the device (queued, never waited for);
+        ``pending``: tokens of the rows' histories known on the device only."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if logits.shape[1] < self.vocab_size:
@@ -212,7 +218,7 @@ class Sampler:
         if not rows:
             return SampledTokens(torch.empty(0, dtype=torch.long))
         raw = logits[:, : self.vocab_size]
-        tokens = self._choose(apply_mask(process_logits(raw, rows), raw, mask), rows)
+        tokens = self._choose(apply_mask(process_logits(raw, rows, pending), raw, mask), rows)
         return SampledTokens(tokens, token_logprobs_on_device(raw, rows, tokens))
 
     def prompt_logprobs(
@@ -243,17 +249,20 @@ class Sampler:
         mask: TokenMask | None,
         groups: Sequence[DraftGroup],
         drafts: torch.Tensor | None = None,
+        pending: PendingTokens | None = None,
     ) -> VerifiedTokens:
         """Keep or reject each group's drafts and sample the token after the kept ones (the
         module docstring's verification); queued on the device, never waited for.
         ``drafts``: each row's next draft token on the device (-1 at a group's last row),
-        in place of the groups' own (placeholders where the device alone knows them)."""
+        in place of the groups' own (placeholders where the device alone knows them);
+        ``pending``: tokens of the rows' histories known on the device only (the drafts
+        before a row may be there instead of in its ``output_token_ids``)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if sum(g.num_rows for g in groups) != len(rows):
             raise ValueError("draft groups must cover the rows exactly")
         raw = logits[:, : self.vocab_size]
-        probs = target_probs(apply_mask(process_logits(raw, rows), raw, mask), rows)
+        probs = target_probs(apply_mask(process_logits(raw, rows, pending), raw, mask), rows)
         if drafts is None:
             draft = [-1] * len(rows)  # each row's next draft token (-1: the group's last row)
             for g in groups:
@@ -353,8 +362,27 @@ class VerifiedTokens:
 # -- steps 1-4: logits processing -------------------------------------------------------------
 
 
-def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Apply logit bias, min_tokens stop suppression and penalties (steps 1-4).
+@dataclass(frozen=True)
+class PendingTokens:
+    """Tokens of each row's output history that only the device holds yet, after its
+    ``output_token_ids``: ``tokens`` [rows, W] on the device, ``valid`` [rows, W] which of
+    them are real. A step planned before the one before it was back has that step's
+    tokens here, and a verify row the drafts before it (``engine.runner``)."""
+
+    tokens: torch.Tensor
+    valid: torch.Tensor
+
+    def taken(self, index: list[int]) -> PendingTokens:
+        """The rows ``index``."""
+        at = _on(index, self.tokens)
+        return PendingTokens(self.tokens[at], self.valid[at])
+
+
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], pending: PendingTokens | None = None
+) -> torch.Tensor:
+    """Apply logit bias, min_tokens stop suppression and penalties (steps 1-4), counting
+    the ``pending`` tokens in each row's history.
 
     Returns ``logits`` itself when no row needs any of them, else a processed copy; the
     argument is never modified.
@@ -363,8 +391,8 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         return logits
     out = logits.clone(memory_format=torch.contiguous_format)
     apply_logit_bias(out, rows)
-    suppress_stop_tokens(out, rows)
-    apply_penalties(out, rows)
+    suppress_stop_tokens(out, rows, pending)
+    apply_penalties(out, rows, pending)
     return out
 
 
@@ -383,8 +411,11 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         logits.index_put_(_index(row_ids, token_ids, logits.device), values, accumulate=True)
 
 
-def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Set to -inf, in place, the stop ids of rows still short of ``min_tokens``."""
+def suppress_stop_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], pending: PendingTokens | None = None
+) -> None:
+    """Set to -inf, in place, the stop ids of rows still short of ``min_tokens`` (counting
+    their ``pending`` tokens, on the device)."""
     vocab = logits.shape[1]
     entries = [
         (i, token)
@@ -392,57 +423,66 @@ def suppress_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> N
         for token in row.suppressed_stop_ids()
         if 0 <= token < vocab
     ]
-    if entries:
-        row_ids, token_ids = zip(*entries, strict=True)
-        # a tensor of -inf, not the float: a Python scalar would be copied over from the host
-        fill = torch.full((len(entries),), NEG_INF, dtype=logits.dtype, device=logits.device)
-        logits.index_put_(_index(row_ids, token_ids, logits.device), fill)
+    if not entries:
+        return
+    row_ids, token_ids = zip(*entries, strict=True)
+    index = _index(row_ids, token_ids, logits.device)
+    # a tensor of -inf, not the float: a Python scalar would be copied over from the host
+    fill = torch.full((len(entries),), NEG_INF, dtype=logits.dtype, device=logits.device)
+    if pending is not None:
+        left = [row.params.min_tokens - len(row.output_token_ids) for row in rows]
+        short = _on(left, logits) > pending.valid.sum(1)
+        fill = torch.where(short[index[0]], fill, logits[index])
+    logits.index_put_(index, fill)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Apply repetition, then frequency and presence penalties, in place (``logits`` must be
-    contiguous).
+def apply_penalties(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], pending: PendingTokens | None = None
+) -> None:
+    """Apply repetition, then frequency and presence penalties, in place, over each row's
+    history and its ``pending`` tokens.
 
-    Sparse: only the (row, id) pairs that occur are read and written, so the cost follows the
-    number of tokens, not the vocabulary size; rows without a penalty are not looked at.
+    The rows with a penalty get a count of every vocabulary id in their outputs, built on
+    the device (where pending tokens are known), and the prompt's ids are marked there for
+    the repetition penalty; rows without one are not looked at.
     """
     index = [i for i, row in enumerate(rows) if row.params.needs_penalties]
     if not index:
         return
-    vocab, flat = logits.shape[1], logits.view(-1)
-    repeated = [i for i in index if rows[i].params.repetition_penalty != 1.0]
-    if repeated:
-        seen = _on(_flat_ids(rows, repeated, vocab, prompt=True).unique(), logits)
-        penalty = _per_row(rows, "repetition_penalty", logits)[seen // vocab]
-        values = flat[seen]
-        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    keys, counts = _flat_ids(rows, index, vocab).unique(return_counts=True)  # on the host
-    if keys.numel():
-        keys, counts = _on(keys, logits), _on(counts, logits)
-        owner = keys // vocab
-        frequency = _per_row(rows, "frequency_penalty", logits)[owner]
-        presence = _per_row(rows, "presence_penalty", logits)[owner]
-        flat[keys] -= frequency * counts.to(logits.dtype) + presence
+    vocab = logits.shape[1]
+    chosen = [rows[i] for i in index]
+    at = _on(index, logits)
+    counts = torch.zeros(len(index), vocab, dtype=logits.dtype, device=logits.device)
+    outputs = _on(_flat_ids(chosen, vocab), logits)
+    counts.view(-1).index_add_(0, outputs, torch.ones_like(outputs, dtype=logits.dtype))
+    if pending is not None:
+        tokens, valid = pending.tokens[at], pending.valid[at]
+        base = torch.arange(len(index), device=logits.device).unsqueeze(1) * vocab
+        counts.view(-1).index_add_(0, (base + tokens.clamp(0, vocab - 1)).view(-1),
+                                   valid.view(-1).to(logits.dtype))  # fmt: skip
+    values = logits[at]
+    if any(row.params.repetition_penalty != 1.0 for row in chosen):
+        seen = counts > 0
+        prompts = _on(_flat_ids(chosen, vocab, outputs=False, prompt=True), logits)
+        seen.view(-1).index_fill_(0, prompts, True)
+        penalty = _column([row.params.repetition_penalty for row in chosen], logits)
+        values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty),
+                             values)  # fmt: skip
+    frequency = _column([row.params.frequency_penalty for row in chosen], logits)
+    presence = _column([row.params.presence_penalty for row in chosen], logits)
+    logits[at] = values - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
 def _flat_ids(
-    rows: Sequence[SamplingRow], index: list[int], vocab: int, prompt: bool = False
+    rows: Sequence[SamplingRow], vocab: int, outputs: bool = True, prompt: bool = False
 ) -> torch.Tensor:
-    """``row * vocab + id`` for every output id (and prompt id if asked) of rows ``index``."""
+    """``i * vocab + id`` for every output id (and prompt id if asked) of each row ``i``."""
     parts = [torch.empty(0, dtype=torch.long)]
-    for i in index:
-        lists = (
-            (rows[i].prompt_token_ids, rows[i].output_token_ids)
-            if prompt
-            else (rows[i].output_token_ids,)
-        )
+    for i, row in enumerate(rows):
+        lists = ((row.prompt_token_ids,) if prompt else ()) + (
+            (row.output_token_ids,) if outputs else ())  # fmt: skip
         parts += [torch.as_tensor(ids, dtype=torch.long) + i * vocab for ids in lists]
     return torch.cat(parts)
-
-
-def _per_row(rows: Sequence[SamplingRow], name: str, like: torch.Tensor) -> torch.Tensor:
-    """One ``SamplingParams`` field of every row, as a tensor."""
-    return _on([getattr(row.params, name) for row in rows], like, like.dtype)
 
 
 def apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:

@@ -29,6 +29,10 @@ class AttentionMetadata:
 
     Sequence i owns new tokens ``query_start_loc[i]:query_start_loc[i+1]``; its context
     after this step is ``seq_lens[i]`` tokens, the last of which are the new ones.
+
+    A step planned before the one before it was known may have moved one-token sequences
+    back on the device (``engine.runner``): their ``seq_lens_cpu`` (and ``max_seq_len``)
+    are then bounds, and a backend reads one-token sequences' lengths on the device only.
     """
 
     query_start_loc: torch.Tensor  # [B+1] int32
@@ -158,15 +162,17 @@ class TokenRows:
             return cls(None, None, others)
         owner = np.concatenate([np.full(meta.query_lens_cpu[i], i) for i in short])
         rows = np.concatenate([np.arange(start[i], start[i + 1]) for i in short])
-        # the j-th of a sequence's n new tokens sees seq_len - n + 1 + j tokens
-        lens = (np.asarray(meta.seq_lens_cpu)[owner] - start[owner + 1] + rows + 1).tolist()
+        # the j-th of a sequence's n new tokens sees seq_len - n + 1 + j tokens: the
+        # device's seq_len (a bound on the host where the row moved back: engine.runner)
+        after = (start[owner + 1] - rows - 1).astype(np.int32)  # its sequence's tokens after it
+        lens = (np.asarray(meta.seq_lens_cpu)[owner] - after).tolist()
         device = meta.seq_lens.device
         own = host_to_device(owner.astype(np.int64), device)
         return cls(
             rows=host_to_device(rows.astype(np.int64), device),
             meta=AttentionMetadata(
                 query_start_loc=host_to_device(np.arange(len(rows) + 1, dtype=np.int32), device),
-                seq_lens=host_to_device(np.array(lens, dtype=np.int32), device),
+                seq_lens=meta.seq_lens.index_select(0, own) - host_to_device(after, device),
                 block_tables=meta.block_tables.index_select(0, own),
                 slot_mapping=meta.slot_mapping[:0],
                 max_query_len=1, max_seq_len=max(lens),
@@ -203,6 +209,18 @@ def slots_of(block_tables: torch.Tensor, positions: torch.Tensor, block_size: in
     device (positions known there only)."""
     rows = torch.arange(positions.shape[0], device=positions.device)
     return block_tables[rows, positions // block_size].long() * block_size + positions % block_size
+
+
+def move_back(meta: AttentionMetadata, positions: torch.Tensor, rows: torch.Tensor,
+              seqs: torch.Tensor, by: torch.Tensor, block_size: int) -> None:  # fmt: skip
+    """Move the one-token sequences ``seqs`` (the step's rows ``rows``) back by ``by``
+    positions, in place on the device: their positions (each stream's, M-RoPE's too),
+    lengths and KV slots. Their host-side lengths stay bounds (``AttentionMetadata``)."""
+    positions[..., rows] -= by
+    meta.seq_lens[seqs] -= by.to(meta.seq_lens.dtype)
+    # a one-token sequence's token index is its length - 1
+    meta.slot_mapping[rows] = slots_of(meta.block_tables[seqs], meta.seq_lens[seqs].long() - 1,
+                                       block_size)  # fmt: skip
 
 
 class AttentionBackend(ABC):

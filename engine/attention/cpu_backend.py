@@ -39,6 +39,14 @@ class CpuBackend(TorchSDPABackend):
         cpu.store_kv(kv, cache.view(-1, cache.shape[-1]), meta.slot_mapping)
         if not meta.is_pure_decode:
             return self._varlen(cache, q, meta)
+        return self._decode(cache, q, meta)
+
+    def _decode(
+        self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        cpu = cpu_kernels_for(q)
+        if cpu is None or cache.dtype != torch.float32 or q.dtype != torch.float32:
+            return super()._decode(cache, q, meta)
         return cpu.decode_attention(
             q, cache, meta.block_tables, meta.seq_lens, self.num_kv_heads, self.scale
         )

@@ -93,8 +93,13 @@ class TorchSDPABackend(AttentionBackend):
     def _varlen(
         self, cache: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """Sequences of one new token (decode rows) by ``_decode``, at once; the others one
+        by one."""
         out = torch.empty_like(q)
-        for tokens, rows, mask in each_sequence(cache, meta):
+        single = meta.token_rows(1)
+        if single.meta is not None:
+            out[single.rows] = self._decode(cache, q[single.rows], single.meta)
+        for tokens, rows, mask in each_sequence(cache, meta, seqs=single.others):
             k, v = self._split(rows)
             qi = q[tokens].transpose(0, 1).to(k.dtype)  # [Hq, Lq, D]
             o = F.scaled_dot_product_attention(

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata, device_index, padded_tables
-from engine.plan import NewRequest, ScheduledChunk
+from engine.attention.base import AttentionMetadata, device_index, move_back, padded_tables
+from engine.plan import NewRequest, ScheduledChunk, one_token_rows
 from engine.spec.chain import Chained
 from kvstore.layout import KVCache
 
@@ -114,10 +114,11 @@ class LaunchStep:
     real token (its chunk's input token or last kept draft), and ``back``, how many
     positions before its ``bounds`` (host: its chunk's end, as planned) the position
     after that row really is (the drafts rejected, this step's and the step before's).
-    ``shift``: per row, how far before its planned position it really sits (the step was
-    planned before the one before it was known: ``engine.runner``), None when none moved;
-    the step is then decode rows. ``input_ids``: the step's input tokens on the device, a
-    row per token; ``context(request_id)``: the request's tokens the host knows.
+    ``shift``: per row, how far before its planned position it really sits (the step was planned
+    before the one before it was known: ``engine.runner``; only a verify chunk's rows and
+    one-token chunks move), None when none moved. ``input_ids``: the step's input tokens on
+    the device, a row per token; ``context(request_id)``: the request's tokens the host
+    knows.
     """
 
     chunks: list[ScheduledChunk]
@@ -144,15 +145,26 @@ class LaunchStep:
         return chunks, rows
 
     def chunk_rows(
-        self, chunks: list[ScheduledChunk], block_size: int
+        self, chunks: list[ScheduledChunk], block_size: int, index: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """``chunks`` as the step ran them, a sequence each (``shift`` must be None): the
-        rows' positions and the attention metadata."""
+        """``chunks`` (the step's rows ``index``; all of them by default) as the step ran
+        them, a sequence each and a verify chunk's rows one-token sequences
+        (``plan.one_token_rows``), moved back by ``shift``: the rows' positions and the
+        attention metadata."""
         from engine.runner import step_inputs
 
+        chunks = one_token_rows(chunks) or chunks
+        device = self.next_ids.device
         blank = [ScheduledChunk(c.request_id, [0] * c.num_tokens, c.start_pos, c.block_ids,
                                 False) for c in chunks]  # fmt: skip
-        inputs, _ = step_inputs(blank, block_size, self.next_ids.device)
+        inputs, _ = step_inputs(blank, block_size, device)
+        lengths = np.array([c.num_tokens for c in chunks])
+        single = np.flatnonzero(lengths == 1)  # only these may have moved
+        if self.shift is not None and len(single):
+            rows = device_index((np.cumsum(lengths) - 1)[single], device)
+            by = self.shift[rows if index is None else index[rows]]
+            move_back(inputs.meta, inputs.positions, rows, device_index(single, device), by,
+                      block_size)  # fmt: skip
         return inputs.positions, inputs.meta
 
     def token_rows(

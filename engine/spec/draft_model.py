@@ -122,8 +122,8 @@ class DraftModelDrafter(RowsDrafter):
         if others:  # the step's rows, with its input tokens
             index = device_index(rows, self.device)
             ids = step.input_ids[index]
-            if step.shift is None and not all(c.is_decode for c in others):
-                positions, meta = step.chunk_rows(others, self.block_size)
+            if not all(c.is_decode for c in others):
+                positions, meta = step.chunk_rows(others, self.block_size, index)
                 self._layer(ids, positions, meta)
             else:  # decode rows: one token a row, positions on the device
                 positions, tables, planned = step.token_rows(others, index)

@@ -81,7 +81,7 @@ class MTPDrafter(RowsDrafter):
         chunks = step.chunks
         n = sum(c.num_tokens for c in chunks)
         decode = all(c.is_decode for c in chunks)
-        if step.shift is not None or (self.graphs is not None and decode):
+        if self.graphs is not None and decode:
             # decode rows: one row a sequence, positions known on the device (moved back
             # by ``shift`` when the step was planned before the one before it was known)
             positions, tables, planned = step.token_rows(chunks)

@@ -77,16 +77,17 @@ def drafting_run(llm: LLM, prompts: list[list[int]], graphed: bool = True) -> Re
 def launches_without_waiting(
     llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_24
 ) -> int:
-    """Generates ``prompts`` with every launch of a step whose input tokens and drafts the
+    """Generates ``prompts`` with every launch of a step whose input tokens or drafts the
     step before left on the device under ``torch.cuda.set_sync_debug_mode("error")`` (it
-    raises at any synchronising call); returns how many launches were so checked."""
+    raises at any synchronising call); returns how many of them had drafts made on the
+    device."""
     runner, guarded = llm.core.runner, [0]
     launch = runner.launch
 
     def checked(plan):
-        if not any(t <= -2 for c in plan.chunks for t in c.token_ids):  # no drafts placeholder
+        if not any(t < 0 for c in plan.chunks for t in c.token_ids):  # no placeholder
             return launch(plan)
-        guarded[0] += 1
+        guarded[0] += any(t <= -2 for c in plan.chunks for t in c.token_ids)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:

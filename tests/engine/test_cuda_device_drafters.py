@@ -10,6 +10,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm import LLM
+from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
 from tests.engine.drafting import GREEDY_24, drafting_run, launches_without_waiting
 
@@ -85,14 +86,49 @@ def test_prompt_lookup_on_cuda_proposes_the_most_recent_longest_match():
     run_checked(lookup_engine(), REPEATING, GREEDY_24)
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_a_step_after_a_prompt_lookup_verify_step_launches_without_waiting(sampled):
-    """Greedy, and sampled: rejection sampling with top-p and logprobs of the verified
-    rows."""
-    params = GREEDY_24
-    if sampled:
-        params = SamplingParams(temperature=0.8, top_p=0.95, logprobs=2, max_tokens=24,
-                                ignore_eos=True, seed=1)  # fmt: skip
+@pytest.mark.parametrize("case", ["greedy", "sampled", "penalized"])
+def test_a_step_after_a_prompt_lookup_verify_step_launches_without_waiting(case):
+    """Greedy; sampled: rejection sampling with top-p and logprobs of the verified rows;
+    penalized: penalties and min_tokens counting the drafts and the tokens of the step
+    still running on the device."""
+    params = {
+        "greedy": GREEDY_24,
+        "sampled": SamplingParams(temperature=0.8, top_p=0.95, logprobs=2, max_tokens=24,
+                                  ignore_eos=True, seed=1),
+        "penalized": SamplingParams(temperature=0.0, frequency_penalty=0.2,
+                                    repetition_penalty=1.1, presence_penalty=0.1,
+                                    min_tokens=16, stop_token_ids=[2], max_tokens=24),
+    }[case]  # fmt: skip
     # sampled tokens of a random model seldom repeat the prompt: fewer drafts, fewer steps
     # planned after a verify step
-    assert launches_without_waiting(lookup_engine(), REPEATING, params) > (0 if sampled else 5)
+    assert launches_without_waiting(lookup_engine(), REPEATING, params) > (
+        5 if case == "greedy" else 0)  # fmt: skip
+
+
+def test_a_prompt_joining_a_step_planned_after_a_verify_step_launches_without_waiting():
+    """The prompts arrive while the others' verify steps run: the step planned before
+    that outcome holds their prefill beside the moved decode rows."""
+    llm = lookup_engine()
+    runner, core = llm.core.runner, llm.core
+    launch, guarded = runner.launch, [0]
+
+    def checked(plan):
+        if not any(t < 0 for c in plan.chunks for t in c.token_ids):
+            return launch(plan)
+        guarded[0] += any(not c.is_decode for c in plan.chunks)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    runner.launch = checked
+    waiting = [EngineRequest(f"p{i}", p, GREEDY_24) for i, p in enumerate(REPEATING * 2)]
+    while waiting or core.has_work:
+        inflight = core._inflight
+        if waiting and (not core.has_work or inflight[0].num_draft_tokens):
+            core.add_request(waiting.pop(0))
+        core.step()
+    assert guarded[0] >= 2
+    core.check_integrity()

@@ -15,7 +15,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.llm import LLM
 from engine.messages import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -69,14 +69,54 @@ def test_overlap_survives_preemption_in_a_small_cache():
     overlapped.core.check_integrity()
 
 
-def test_requests_that_read_their_outputs_run_without_overlap_and_still_match():
+def overlapped_steps(llm: LLM, batch, sampling) -> tuple[list, int]:
+    """``llm.generate(batch, sampling)`` and how many of its steps were left running while
+    the next was planned."""
+    core, step, left = llm.core, llm.core.step, [0]
+
+    def counted():
+        out = step()
+        left[0] += core._inflight is not None
+        return out
+
+    core.step = counted
+    try:
+        return llm.generate(batch, sampling), left[0]
+    finally:
+        core.step = step
+
+
+def test_penalties_and_min_tokens_overlap_and_still_match():
+    """Penalties and min_tokens read a request's outputs: the tokens of the step still
+    running count on the device, so their steps overlap too, greedy and seeded."""
     plain, overlapped = engines()
-    batch = prompts(plain, 4, seed=2)
-    sampling = [SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3),
-                SamplingParams(temperature=0, max_tokens=30, min_tokens=20),
-                SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5),
-                SamplingParams(temperature=0, max_tokens=30)]  # fmt: skip
-    same(plain.generate(batch, sampling), overlapped.generate(batch, sampling))
+    batch = prompts(plain, 5, seed=2)
+    greedy = [SamplingParams(temperature=0, max_tokens=48, min_tokens=32),
+              SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=30, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=30, presence_penalty=1.0),
+              SamplingParams(temperature=0, max_tokens=30)]  # fmt: skip
+    reference = plain.generate(batch, greedy)
+    unforced = plain.generate(batch[:1], SamplingParams(temperature=0, max_tokens=48))
+    assert len(unforced[0].token_ids) < 32 <= len(reference[0].token_ids)  # held back
+    result, left = overlapped_steps(overlapped, batch, greedy)
+    same(reference, result)
+    assert left > 20
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=24, min_tokens=12,
+                             frequency_penalty=0.4 * i, repetition_penalty=1.0 + 0.1 * i)
+              for i in range(5)]  # fmt: skip
+    same(plain.generate(batch, seeded), overlapped.generate(batch, seeded))
+    overlapped.core.check_integrity()
+
+
+def test_structured_requests_run_without_overlap_and_still_match():
+    plain, overlapped = engines()
+    batch = prompts(plain, 2, seed=3)
+    grammar = GrammarSpec(kind="regex", value="[a-z ]{5,20}\\.")
+    sampling = SamplingParams(temperature=0, max_tokens=24, grammar=grammar)
+    result, left = overlapped_steps(overlapped, batch, sampling)
+    same(plain.generate(batch, sampling), result)
+    assert left == 0
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3-tiny", "qwen3-moe-tiny"])

@@ -305,3 +305,90 @@ def test_a_draft_model_that_is_the_target_has_every_greedy_draft_kept(overlap, p
     stats = llm.core.scheduler.stats()
     assert sum(stats.spec_draft_verified) > 50
     assert sum(stats.spec_draft_accepted) == sum(stats.spec_draft_verified)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-self", "mtp-kept"])
+def test_prompts_arriving_while_drafts_are_verified_join_the_step_planned_ahead(
+    name, llama, deepseek_successor
+):
+    """Under overlap a prompt that arrives while a step verifies drafts goes into the next
+    step, planned before that step's outcome: the device moves the verified requests'
+    rows back by the drafts rejected beside the new prompt's chunks (one-token rows whose
+    lengths only the device knows). Each prompt arrives while a verify step runs; the
+    outputs are those without speculation and every block comes back."""
+    from engine.messages import EngineRequest
+
+    model, fields = {
+        "ngram": (llama, dict(method="ngram")),
+        "draft-self": (llama, dict(method="draft", draft_model=llama)),
+        "mtp-kept": (deepseek_successor,
+                     dict(method="mtp", confidence_temperatures=(0.3,) * 3)),
+    }[name]  # fmt: skip
+    spec = SpeculativeConfig(num_speculative_tokens=3, schedule="fixed", **fields)
+    llm = engine(model, spec, overlap_scheduling=True)
+    core = llm.core
+    scheduler = core.scheduler
+    schedule, update = scheduler.schedule, scheduler.update
+    unknown = set()  # verify steps whose outcome is not folded back yet
+    joined = [0]  # steps planned before such an outcome that prefilled a prompt
+
+    def planned():
+        plan = schedule()
+        joined[0] += bool(unknown) and any(not c.is_decode for c in plan.chunks)
+        if plan.num_draft_tokens:
+            unknown.add(id(plan))
+        return plan
+
+    def folded(plan, result):
+        unknown.discard(id(plan))
+        return update(plan, result)
+
+    scheduler.schedule, scheduler.update = planned, folded
+    waiting = list(enumerate(prompts()))
+    tokens: dict[str, list[int]] = {}
+    while waiting or core.has_work:
+        inflight = core._inflight
+        if waiting and (not core.has_work or inflight[0].num_draft_tokens):
+            i, prompt = waiting.pop(0)
+            core.add_request(EngineRequest(f"p{i}", prompt, GREEDY))
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    joined = joined[0]
+    assert [tokens[f"p{i}"] for i in range(len(prompts()))] == reference(model)
+    assert joined >= 3
+    stats = core.scheduler.stats()
+    if name != "ngram":  # (the random target hardly repeats itself)
+        assert sum(stats.spec_draft_accepted) > 0.5 * sum(stats.spec_draft_verified) > 0
+    core.check_integrity()
+    assert core.kv.pool.num_free == core.kv.pool.num_usable
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-self", "mtp-kept"])
+def test_penalties_and_min_tokens_with_drafts_planned_ahead_match_no_speculation(
+    name, llama, deepseek_successor
+):
+    """Penalties and min_tokens count a verify row's drafts and, in a step planned before
+    the one before it was back, that step's tokens, on the device: greedy outputs with
+    them equal those without speculation, with steps planned ahead of verify steps."""
+    from tests.engine.drafting import generate_recorded
+
+    model, fields = {
+        "ngram": (llama, dict(method="ngram")),
+        "draft-self": (llama, dict(method="draft", draft_model=llama)),
+        "mtp-kept": (deepseek_successor,
+                     dict(method="mtp", confidence_temperatures=(0.3,) * 3)),
+    }[name]  # fmt: skip
+    stop = reference(model)[0][3]  # a token the first prompt's output soon reaches
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, **extra)
+        for extra in (dict(frequency_penalty=0.7), dict(repetition_penalty=1.4),
+                      dict(presence_penalty=0.9), dict(min_tokens=12, stop_token_ids=[stop]),
+                      dict(frequency_penalty=0.3, min_tokens=8, stop_token_ids=[stop]),
+                      dict())
+    ]  # fmt: skip
+    expected = [r.token_ids for r in engine(model).generate(prompts(), params)]
+    assert expected != reference(model)  # the penalties changed something
+    spec = SpeculativeConfig(num_speculative_tokens=3, schedule="fixed", **fields)
+    run = generate_recorded(engine(model, spec, overlap_scheduling=True), prompts(), params)
+    assert run.outputs == expected
+    assert run.early > 5
