@@ -363,9 +363,10 @@ class EngineCore:
         """One engine step: plan, run, fold the sampled tokens back.
 
         With overlap scheduling the device never waits for the host between steps: a
-        step whose requests can all go on before their tokens are known (no grammar, not
-        prefill-only; with drafts only as ``_can_run_on`` says; penalties and min_tokens
-        count the tokens the device alone has: ``sampler.PendingTokens``) is left running,
+        step whose requests can all go on before their tokens are known (not prefill-only;
+        with drafts only as ``_can_run_on`` says; penalties and min_tokens count the tokens
+        the device alone has: ``sampler.PendingTokens``; a structured request's sampling
+        waits for them: ``ModelRunner.complete``) is left running,
         and the next ``step`` plans and launches its successor — whose input tokens come
         from that step's output on the device — before it collects it. A request that the
         collected tokens end has then run one step too many; that step's tokens are
@@ -397,6 +398,8 @@ class EngineCore:
             outputs += self.scheduler.update(previous[0], result)
             host_s += time.perf_counter() - start
         if launched is not None:
+            # a step whose masks needed the tokens just collected samples now
+            self.runner.complete(launched[1])
             if self.overlap and self._can_run_on(launched[0]):
                 self.scheduler.assume_sampled(launched[0])
                 self._inflight = launched
@@ -419,17 +422,11 @@ class EngineCore:
         step that verifies drafts, only where its drafter drafts on the device: the device
         places the next rows of its requests after the tokens kept (``engine.runner``),
         whatever else the next step holds; a host drafter's drafts need the tokens on the
-        host. Never after a structured request's step: its next mask needs its grammar
-        advanced by the tokens on the host."""
+        host. (A structured request's next mask needs its grammar advanced by the tokens
+        on the host: the runner samples that step once this one is collected.)"""
         if not self.scheduler.overlappable:
             return False
-        if plan.num_draft_tokens and not self.scheduler.spec.on_device:
-            return False
-        for chunk in plan.chunks:
-            req = self.scheduler.requests.get(chunk.request_id)
-            if req is not None and req.grammar is not None:
-                return False
-        return True
+        return not plan.num_draft_tokens or self.scheduler.spec.on_device
 
     def drain_kv_events(self) -> list[KVEvent]:
         """What the KV cache and its tiers gained or lost since the last call."""

@@ -151,6 +151,12 @@ class _RowState:
         )
 
     @property
+    def live_grammar(self) -> GrammarState | None:
+        """Its grammar, unless complete (its request ended with the step before, planned
+        past: what this step samples for it is dropped)."""
+        return None if self.grammar is None or self.grammar.is_terminated else self.grammar
+
+    @property
     def reads_history(self) -> bool:
         """Whether sampling its next token reads its output so far (penalties, min_tokens)."""
         sp = self.new.sampling
@@ -180,6 +186,13 @@ class _Clock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._marks: list = []
+        self._gaps: set[int] = set()  # spans that are not the step's (``gap``)
+        self.mark()
+
+    def gap(self) -> None:
+        """Mark the end of a wait that is not the step's own work: the span up to here
+        is left out of ``spans``."""
+        self._gaps.add(len(self._marks) - 1)
         self.mark()
 
     def mark(self) -> None:
@@ -195,22 +208,30 @@ class _Clock:
         m = self._marks
         if self.cuda:
             m[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
-        return [b - a for a, b in zip(m, m[1:])]
+            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
+        else:
+            spans = [b - a for a, b in zip(m, m[1:])]
+        return [span for i, span in enumerate(spans) if i not in self._gaps]
 
 
 @dataclass
 class _Launched:
-    """A step queued on the device: what ``finish`` collects."""
+    """A step queued on the device: what ``finish`` collects. Until ``complete`` has
+    queued its sampling, ``logits`` holds what it samples and ``ids`` / ``shift`` its
+    input tokens and rows moved back (``ModelRunner.resolve_inputs``)."""
 
     plan: StepPlan
-    plain_ids: list[str]  # requests sampled one token
-    plain: SampledTokens | None
-    verify_ids: list[str]  # requests whose drafts are verified, in group order
-    verified: VerifiedTokens | None
-    hidden: torch.Tensor | None  # the step's hidden states, when the drafter wants them
     clock: _Clock
+    hidden: torch.Tensor | None  # the step's hidden states, when the drafter wants them
+    logits: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    plain_ids: list[str] = field(default_factory=list)  # requests sampled one token
+    plain: SampledTokens | None = None
+    verify_ids: list[str] = field(default_factory=list)  # drafts verified, in group order
+    verified: VerifiedTokens | None = None
     drafting: Drafting | None = None  # drafts queued behind the step (``Drafter.on_device``)
+    deferred: bool = False  # sampled after the step before was collected (``launch``)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -262,6 +283,7 @@ class ModelRunner:
         self.pieces: PiecewiseGraphs | None = None
         self.num_forwards = 0  # model forwards run (or replayed) since start
         self._previous = _Previous()
+        self._drafted: dict[str, list[int]] = {}  # the last drafts collected, by request
         # per row of the step being launched: how many positions back its request's
         # tokens really sit (drafts the step in flight rejected); None when none do
         self._shift: torch.Tensor | None = None
@@ -303,15 +325,41 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> _Launched | None:
         """Queue the plan's forward and sampling on the device; ``finish`` waits for the
         tokens. An UNRESOLVED input token is the one the previous launch sampled for its
-        request: it goes from that step's output to this step's input on the device."""
+        request: it goes from that step's output to this step's input on the device.
+
+        A structured request planned so (its grammar not yet advanced by that token) has
+        its step's forward queued only: ``complete`` queues the sampling once ``finish``
+        has collected the step before, and the device computes the forward meanwhile."""
         self._sync_states(plan)
         if plan.is_empty:
             return None
         clock = _Clock(self.device)
         with torch.inference_mode():
             logits, hidden = self._logits(plan)
-            clock.mark()
-            launched = self._sample_and_verify(plan, logits, hidden, clock)
+        clock.mark()
+        wanted = self.drafter is not None and self.drafter.needs_hidden
+        launched = _Launched(plan, clock, hidden if wanted else None, logits, self._ids,
+                             self._shift)  # fmt: skip
+        launched.deferred = any(c.sample and c.token_ids[0] == UNRESOLVED
+                                and self.states[c.request_id].grammar is not None
+                                for c in plan.chunks)  # fmt: skip
+        if not launched.deferred:
+            self.complete(launched)
+        return launched
+
+    def complete(self, launched: _Launched | None) -> None:
+        """Queue the sampling (and the drafting behind it) of a launched step whose forward
+        alone is queued; nothing when it has them. Run after ``finish`` of the step before
+        where ``launch`` left it so: its tokens are then on the host, in the grammars."""
+        if launched is None or launched.logits is None:
+            return
+        logits, launched.logits = launched.logits, None
+        self._ids, self._shift = launched.ids, launched.shift
+        clock = launched.clock
+        with torch.inference_mode():
+            if launched.deferred:
+                clock.gap()  # the device waited for the host to collect the step before
+            self._sample_and_verify(launched, logits)
             clock.mark()
             for tokens in (launched.plain, launched.verified):
                 if tokens is not None:
@@ -320,7 +368,6 @@ class ModelRunner:
                 launched.drafting = self._launch_drafts(launched)
                 clock.mark()
         self._previous = self._left_behind(launched)
-        return launched
 
     def _left_behind(self, launched: _Launched) -> _Previous:
         previous = _Previous(verify={rid: g for g, rid in enumerate(launched.verify_ids)},
@@ -337,6 +384,7 @@ class ModelRunner:
     def finish(self, launched: _Launched | None) -> StepResult:
         if launched is None:
             return StepResult({})
+        self.complete(launched)
         emitted: dict[str, list[int]] = {}
         logprobs: dict[str, list] = {}
         if launched.plain is not None:
@@ -360,6 +408,7 @@ class ModelRunner:
         }
         ended = self._record(emitted)
         start = time.perf_counter()
+        self._drafted = {}
         if launched.drafting is not None:
             proposals = self._collect_drafts(launched.drafting, ended)
         else:
@@ -467,7 +516,7 @@ class ModelRunner:
     def _sample_plain(self, logits: torch.Tensor, sample_ids: list[str],
                       unresolved: frozenset[str] = frozenset()) -> SampledTokens:  # fmt: skip
         states = [self.states[rid] for rid in sample_ids]
-        mask = build_mask([s.grammar for s in states], self.sampler.vocab_size)
+        mask = build_mask([s.live_grammar for s in states], self.sampler.vocab_size)
         pending = self._pending(sample_ids, unresolved)
         return self.sampler.sample(logits, [s.row() for s in states], mask, pending)
 
@@ -519,40 +568,47 @@ class ModelRunner:
             valid = torch.cat((valid, host_to_device(mine, device)), 1)
         return PendingTokens(tokens, valid)
 
-    def _sample_and_verify(
-        self, plan: StepPlan, logits: torch.Tensor, hidden: torch.Tensor | None, clock: _Clock
-    ) -> _Launched:
+    def _sample_and_verify(self, launched: _Launched, logits: torch.Tensor) -> None:
         """Sample the plain chunks' rows and verify the drafts of the others (``logits``
-        holds each sampling chunk's rows in turn)."""
+        holds each sampling chunk's rows in turn), into ``launched``."""
         plain_ids, plain_rows, verify_ids, verify_rows, groups = [], [], [], [], []
         drafts: list[int] = []  # per verified row, the step's row of the draft it checks
         row = first = 0
-        for chunk in plan.chunks:
+        for chunk in launched.plan.chunks:
             first += chunk.num_tokens
             if not chunk.sample:
                 continue
             if chunk.num_draft:
                 verify_ids.append(chunk.request_id)
-                groups.append(DraftGroup(len(verify_rows), chunk.draft_token_ids))
+                groups.append(DraftGroup(len(verify_rows), self._host_drafts(chunk)
+                                         if launched.deferred else chunk.draft_token_ids))
                 verify_rows += range(row, row + chunk.num_sampled_rows)
                 drafts += [*range(first - chunk.num_draft, first), -1]
             else:
                 plain_ids.append(chunk.request_id)
                 plain_rows.append(row)
             row += chunk.num_sampled_rows
-        # planned before the step before was back: its input token is a placeholder
-        unresolved = frozenset(c.request_id for c in plan.chunks
-                               if c.sample and c.token_ids[0] == UNRESOLVED)  # fmt: skip
-        plain = verified = None
+        # planned before the step before was back (its input token a placeholder) and
+        # sampled before it was collected: that step's tokens are on the device only
+        unresolved = frozenset() if launched.deferred else frozenset(
+            c.request_id for c in launched.plan.chunks
+            if c.sample and c.token_ids[0] == UNRESOLVED)  # fmt: skip
+        launched.plain_ids, launched.verify_ids = plain_ids, verify_ids
         if plain_ids:
             rows = logits if not verify_ids else logits[device_index(plain_rows, self.device)]
-            plain = self._sample_plain(rows, plain_ids, unresolved)
+            launched.plain = self._sample_plain(rows, plain_ids, unresolved)
         if verify_ids:
             rows = logits if not plain_ids else logits[device_index(verify_rows, self.device)]
-            verified = self._verify(rows, verify_ids, groups, drafts, unresolved)
-        wanted = self.drafter is not None and self.drafter.needs_hidden
-        return _Launched(plan, plain_ids, plain, verify_ids, verified,
-                         hidden if wanted else None, clock)  # fmt: skip
+            launched.verified = self._verify(rows, verify_ids, groups, drafts, unresolved)
+
+    def _host_drafts(self, chunk: ScheduledChunk) -> list[int]:
+        """A chunk's drafts with those made on the device behind the step before (their
+        placeholders) as the host collected them: the tokens its grammar's mask follows."""
+        made = self._drafted.get(chunk.request_id, [])
+        return [
+            t if t >= 0 else made[draft_index(t)] if draft_index(t) < len(made) else 0
+            for t in chunk.draft_token_ids
+        ]
 
     def _verify(
         self, logits: torch.Tensor, request_ids: list[str], groups: list[DraftGroup],
@@ -567,7 +623,7 @@ class ModelRunner:
         owners = [rid for rid, g in zip(request_ids, groups) for _ in range(g.num_rows)]
         before = [draft_rows[g.row : g.row + j] for g in groups for j in range(g.num_rows)]
         mask = build_draft_mask(
-            [(s.grammar, g.draft_token_ids) for s, g in zip(states, groups)],
+            [(s.live_grammar, g.draft_token_ids) for s, g in zip(states, groups)],
             self.sampler.vocab_size,
         )
         at = device_index(draft_rows, self.device)
@@ -800,7 +856,9 @@ class ModelRunner:
         """The proposals of drafts made on the device, for the requests that go on, each
         cut to the room its tokens left it and where its grammar would reject a draft."""
         proposals = {}
-        for rid, (tokens, conf) in drafting.to_host().items():
+        drafted = drafting.to_host()
+        self._drafted = {rid: tokens for rid, (tokens, _) in drafted.items()}
+        for rid, (tokens, conf) in drafted.items():
             state = self.states.get(rid)
             if state is None or rid in ended:
                 continue
