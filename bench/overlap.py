@@ -1,10 +1,15 @@
 """Overlap scheduling on vs off: decode time per step of the same engine, same requests.
 
-``python -m bench.overlap --out bench/results/overlap_h200.json`` (CUDA). For each batch
-size, one ``EngineCore`` (dummy model at a real shape, CUDA graphs) runs the same greedy
-requests with ``core.overlap`` off and on, in turns; it checks that both give the same
-tokens, then reports the median decode step time of each and their ratio (one run, so
-machine noise hits both alike).
+``python -m bench.overlap --out bench/results/overlap_h200.json`` (CUDA). For each kind of
+request and batch size, one ``EngineCore`` (dummy model at a real shape, CUDA graphs)
+runs the same greedy requests with ``core.overlap`` off and on, in turns; it checks that
+both give the same tokens, then reports the median decode step time of each and their
+ratio (one run, so machine noise hits both alike).
+
+Kinds (``--kinds``): ``plain``; ``penalized`` (frequency, presence and repetition
+penalties and min_tokens: counted on the device under overlap); ``structured`` (a regex
+grammar no output ends before the step budget: the next step's forward runs while the
+host collects the step before, its sampling after).
 """
 
 from __future__ import annotations
@@ -21,12 +26,20 @@ from bench.common import machine_info
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.messages import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingParams
+
+KINDS = {
+    "plain": {},
+    "penalized": dict(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1,
+                      min_tokens=16),
+    "structured": dict(grammar=GrammarSpec(kind="regex", value="[a-z ]{1,4000}")),
+}  # fmt: skip
 
 
-def run_once(core: EngineCore, prompts: list[list[int]], steps: int, tag: str):
+def run_once(core: EngineCore, prompts: list[list[int]], steps: int, tag: str,
+             kind: str = "plain"):  # fmt: skip
     """Tokens per request, and the wall time of each step once every prompt is in."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, **KINDS[kind])
     for i, p in enumerate(prompts):
         core.add_request(EngineRequest(f"{tag}-{i}", p, params))
     tokens: dict[str, list[int]] = {f"{tag}-{i}": [] for i in range(len(prompts))}
@@ -42,9 +55,10 @@ def run_once(core: EngineCore, prompts: list[list[int]], steps: int, tag: str):
     return list(tokens.values()), times[2:-2]  # drop the edges: pipeline fill and drain
 
 
-def measure(preset: str, batch: int, context: int, steps: int, rounds: int) -> dict:
+def measure(preset: str, batch: int, context: int, steps: int, rounds: int,
+            kind: str = "plain", device: str = "cuda") -> dict:  # fmt: skip
     config = EngineConfig(
-        model=f"dummy:{preset}", device="cuda", dtype="bfloat16",
+        model=f"dummy:{preset}", device=device, dtype="bfloat16" if device == "cuda" else "float32",
         cache=CacheConfig(block_size=128, num_blocks=batch * (-(-(context + steps) // 128)) + 4,
                           enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), max_num_batched_tokens=16384,
@@ -52,22 +66,25 @@ def measure(preset: str, batch: int, context: int, steps: int, rounds: int) -> d
     )  # fmt: skip
     core = EngineCore(config)
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(300, 30000, (context,), generator=g).tolist() for _ in range(batch)]
+    high = min(30000, core.runner.sampler.vocab_size)
+    prompts = [torch.randint(high // 100, high, (context,), generator=g).tolist()
+               for _ in range(batch)]  # fmt: skip
     step_ms: dict[bool, list[float]] = {False: [], True: []}
     outputs: dict[bool, list] = {}
     for r in range(rounds):
         for overlap in (False, True):
             core.overlap = overlap
-            tokens, times = run_once(core, prompts, steps, f"{int(overlap)}{r}")
+            tokens, times = run_once(core, prompts, steps, f"{int(overlap)}{r}", kind)
             outputs.setdefault(overlap, tokens)
             assert tokens == outputs[overlap], "greedy tokens changed between rounds"
             step_ms[overlap] += [t * 1e3 for t in times]
     same = outputs[False] == outputs[True]
     off, on = (statistics.median(step_ms[m]) for m in (False, True))
     del core
-    torch.cuda.empty_cache()
-    return {"preset": preset, "batch": batch, "context": context, "steps": steps,
-            "same_tokens": same, "step_ms_off": off, "step_ms_on": on,
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"kind": kind, "preset": preset, "batch": batch, "context": context,
+            "steps": steps, "same_tokens": same, "step_ms_off": off, "step_ms_on": on,
             "speedup": off / on}  # fmt: skip
 
 
@@ -78,15 +95,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--kinds", default="plain,penalized,structured")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     points = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        points.append(measure(args.preset, batch, args.context, args.steps, args.rounds))
-        p = points[-1]
-        print(f"batch {batch:4d}: off {p['step_ms_off']:.3f} ms  on {p['step_ms_on']:.3f} ms  "
-              f"x{p['speedup']:.3f}  same tokens: {p['same_tokens']}", flush=True)
+    for kind in args.kinds.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            points.append(measure(args.preset, batch, args.context, args.steps, args.rounds,
+                                  kind, args.device))  # fmt: skip
+            p = points[-1]
+            print(f"{kind:10s} batch {batch:4d}: off {p['step_ms_off']:.3f} ms  "
+                  f"on {p['step_ms_on']:.3f} ms  x{p['speedup']:.3f}  "
+                  f"same tokens: {p['same_tokens']}", flush=True)
     report = {"machine": machine_info(), "commit": args.commit, "points": points}
     args.out.write_text(json.dumps(report, indent=2))
 
