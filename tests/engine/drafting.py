@@ -4,11 +4,13 @@ draft model and prompt lookup: ``test_cuda_device_drafters``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.llm import LLM
+from engine.plan import StepPlan
 from engine.sampling_params import SamplingParams
 from engine.spec.base import Proposal
 
@@ -74,20 +76,17 @@ def drafting_run(llm: LLM, prompts: list[list[int]], graphed: bool = True) -> Re
     return generate_recorded(llm, prompts)
 
 
-def launches_without_waiting(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_24
-) -> int:
-    """Generates ``prompts`` with every launch of a step whose input tokens or drafts the
-    step before left on the device under ``torch.cuda.set_sync_debug_mode("error")`` (it
-    raises at any synchronising call); returns how many of them had drafts made on the
-    device."""
+def guard_launches(llm: LLM, counted: Callable[[StepPlan], bool]) -> list[int]:
+    """From now on, every launch of a step whose input tokens or drafts the step before
+    left on the device runs under ``torch.cuda.set_sync_debug_mode("error")`` (it raises
+    at any synchronising call); returns a counter ([n]) of those ``counted`` says."""
     runner, guarded = llm.core.runner, [0]
     launch = runner.launch
 
     def checked(plan):
         if not any(t < 0 for c in plan.chunks for t in c.token_ids):  # no placeholder
             return launch(plan)
-        guarded[0] += any(t <= -2 for c in plan.chunks for t in c.token_ids)
+        guarded[0] += counted(plan)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -96,5 +95,15 @@ def launches_without_waiting(
             torch.cuda.set_sync_debug_mode(0)
 
     runner.launch = checked
+    return guarded
+
+
+def launches_without_waiting(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_24
+) -> int:
+    """Generates ``prompts`` with ``guard_launches``; returns how many of the guarded
+    launches had drafts made on the device."""
+    guarded = guard_launches(llm, lambda plan: any(t <= -2 for c in plan.chunks
+                                                   for t in c.token_ids))  # fmt: skip
     llm.generate(prompts, params)
     return guarded[0]

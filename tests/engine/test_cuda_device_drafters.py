@@ -12,7 +12,12 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig, Speculativ
 from engine.llm import LLM
 from engine.messages import EngineRequest
 from engine.sampling_params import SamplingParams
-from tests.engine.drafting import GREEDY_24, drafting_run, launches_without_waiting
+from tests.engine.drafting import (
+    GREEDY_24,
+    drafting_run,
+    guard_launches,
+    launches_without_waiting,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -109,21 +114,8 @@ def test_a_prompt_joining_a_step_planned_after_a_verify_step_launches_without_wa
     """The prompts arrive while the others' verify steps run: the step planned before
     that outcome holds their prefill beside the moved decode rows."""
     llm = lookup_engine()
-    runner, core = llm.core.runner, llm.core
-    launch, guarded = runner.launch, [0]
-
-    def checked(plan):
-        if not any(t < 0 for c in plan.chunks for t in c.token_ids):
-            return launch(plan)
-        guarded[0] += any(not c.is_decode for c in plan.chunks)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-
-    runner.launch = checked
+    core = llm.core
+    guarded = guard_launches(llm, lambda plan: any(not c.is_decode for c in plan.chunks))
     waiting = [EngineRequest(f"p{i}", p, GREEDY_24) for i, p in enumerate(REPEATING * 2)]
     while waiting or core.has_work:
         inflight = core._inflight

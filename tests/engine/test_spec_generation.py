@@ -91,6 +91,17 @@ def drafter_case(name: str, llama: str, other: str, deepseek: str) -> tuple[str,
     }[name]
 
 
+def on_device_case(name: str, llama: str, successor: str) -> tuple[str, dict]:
+    """(target model, the SpeculativeConfig fields) of a drafter that drafts on the device,
+    keeping drafts where it can: prompt lookup, the target drafting for itself, and the
+    successor machine's MTP layer."""
+    return {
+        "ngram": (llama, dict(method="ngram")),
+        "draft-self": (llama, dict(method="draft", draft_model=llama)),
+        "mtp-kept": (successor, dict(method="mtp", confidence_temperatures=(0.3,) * 3)),
+    }[name]
+
+
 def assert_reference_alone_and_batched(llm: LLM, model: str) -> None:
     """``llm`` gives the greedy outputs without speculation, one prompt at a time and all
     at once (no prefix cache hits between the two), and leaves every block free and the
@@ -322,12 +333,7 @@ def test_prompts_arriving_while_drafts_are_verified_join_the_step_planned_ahead(
     outputs are those without speculation and every block comes back."""
     from engine.messages import EngineRequest
 
-    model, fields = {
-        "ngram": (llama, dict(method="ngram")),
-        "draft-self": (llama, dict(method="draft", draft_model=llama)),
-        "mtp-kept": (deepseek_successor,
-                     dict(method="mtp", confidence_temperatures=(0.3,) * 3)),
-    }[name]  # fmt: skip
+    model, fields = on_device_case(name, llama, deepseek_successor)
     spec = SpeculativeConfig(num_speculative_tokens=3, schedule="fixed", **fields)
     llm = engine(model, spec, overlap_scheduling=True)
     core = llm.core
@@ -376,12 +382,7 @@ def test_penalties_and_min_tokens_with_drafts_planned_ahead_match_no_speculation
     them equal those without speculation, with steps planned ahead of verify steps."""
     from tests.engine.drafting import generate_recorded
 
-    model, fields = {
-        "ngram": (llama, dict(method="ngram")),
-        "draft-self": (llama, dict(method="draft", draft_model=llama)),
-        "mtp-kept": (deepseek_successor,
-                     dict(method="mtp", confidence_temperatures=(0.3,) * 3)),
-    }[name]  # fmt: skip
+    model, fields = on_device_case(name, llama, deepseek_successor)
     stop = reference(model)[0][3]  # a token the first prompt's output soon reaches
     params = [
         SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, **extra)
