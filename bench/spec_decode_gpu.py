@@ -88,9 +88,12 @@ RIGHT, WRONG = 0, 1  # the token a model of zero logits picks greedily (ties: th
 
 
 class RatesDrafter(Drafter):
-    """Drafts kept with given per-position rates (module docstring). Its draws are a hash of
-    (request id, position, draft index), so every arm sees the same, at ~1 us a draw (a
-    seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests).
+    """Drafts kept with given per-position rates (module docstring). Its draw for a draft
+    is a hash of (request id, the draft's position in the sequence), at ~1 us a draw (a
+    seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests): every
+    arm meets the same draw at the same position whatever step drafts it there (common
+    random numbers; with a draw per (step start, draft index) instead, the arms' ratios
+    at one stream spread ~2x more in ``bench.spec_decode_sim``).
 
     ``on_device`` (the default): it drafts on the device behind each step, as the MTP
     layer does (``Drafter.launch``), from the positions the device knows, so the step
@@ -133,7 +136,7 @@ class RatesDrafter(Drafter):
             key = self._key(r.request_id)
             tokens = [RIGHT] * n
             for j in range(n):
-                if _uniform(key, start, j) >= self.rates[j]:
+                if _uniform(key, start + j) >= self.rates[j]:
                     tokens[j] = WRONG
                     break
             out[r.request_id] = Proposal(start, tokens, self.rates[:n])
@@ -151,7 +154,7 @@ class RatesDrafter(Drafter):
         width = max(rooms)
         j = torch.arange(width, device=device)
         rates = self._rates_on(device)[:width]
-        fails = _uniform(keys[:, None], start[:, None], j[None, :]) >= rates
+        fails = _uniform(keys[:, None], start[:, None] + j[None, :]) >= rates
         first_fail = fails & (fails.long().cumsum(1) == 1)
         tokens = torch.where(first_fail, WRONG, RIGHT)
         conf = rates.expand(len(ids), width)
@@ -168,11 +171,11 @@ class RatesDrafter(Drafter):
 _PRIME = (1 << 31) - 1  # the hash's modulus: every product of two of its values fits int64
 
 
-def _uniform(key, start, j):
-    """A uniform in [0, 1) from ``key``, ``start`` and ``j`` (host ints, or device tensors
-    that broadcast): a few rounds of xor-shift and multiply modulo a 31-bit prime, in
-    integers below 2^62, so the host and the device draw the same."""
-    x = (key + start * 40503 + (j + 1) * 69069) % _PRIME
+def _uniform(key, position):
+    """A uniform in [0, 1) from ``key`` and ``position`` (host ints, or device tensors that
+    broadcast): a few rounds of xor-shift and multiply modulo a 31-bit prime, in integers
+    below 2^62, so the host and the device draw the same."""
+    x = (key + position * 40503 + 69069) % _PRIME
     for _ in range(3):
         x = x ^ (x >> 13)
         x = (x * 48271) % _PRIME
