@@ -4,6 +4,7 @@
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
 #                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
 #                       [startup] [sdpa] [mla_paths] [mla_engine_tests] [moe_probe]
+#                       [spec_tests] [overlap]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -23,7 +24,9 @@
 # (kernel compiles) and the second point, under the same key, is the one recorded (its
 # prompts are the first's: ~half its prompt tokens come from the prefix cache); ds_serve
 # keeps the server's log in $OUT/logs; speculative
-# decoding's arms (bench/spec_decode_gpu.py); a full garbage collection of the 8B engine before
+# decoding's CUDA tests (graphs, sync-free steps, the drafters on the device) and its arms
+# (bench/spec_decode_gpu.py); overlap on vs off for plain, penalized and structured
+# requests (bench/overlap.py); a full garbage collection of the 8B engine before
 # and after freezing its startup (bench/gc_pause.py); the start-up of dummy:deepseek-v3-4l
 # with an empty kernel cache and again with the one it left, and its first requests
 # (bench/startup.py; STARTUP_FLAGS adds flags, e.g. --profile-first); SDPA's backends on the MLA prefill's shapes (bench/sdpa_backends.py);
@@ -105,9 +108,17 @@ for step in "$@"; do
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 16" \
         --commit "$COMMIT" --out "$OUT/served_c64_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -4 || status=1 ;;
+    spec_tests)
+      $LIMIT python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graphs.py \
+        tests/engine/test_cuda_sync_free.py tests/engine/test_piecewise_graphs.py \
+        tests/engine/test_cuda_device_drafters.py tests/engine/test_cuda_mla_moe_kernels.py \
+        tests/bench/test_spec_decode_bench.py 2>&1 | tee -a "$OUT/steps.log" | tail -25 || status=1 ;;
     spec)
       $LIMIT python3 -m bench.spec_decode_gpu --out "$OUT/spec_decode_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -12 || status=1 ;;
+    overlap)
+      $LIMIT python3 -m bench.overlap --commit "$COMMIT" --out "$OUT/overlap_h200.json" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
     startup)
       $LIMIT python3 -m bench.startup --model dummy:deepseek-v3-4l --commit "$COMMIT" ${STARTUP_FLAGS:-} \
         --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
