@@ -539,8 +539,8 @@ class ModelRunner:
         flat = torch.cat([t.reshape(-1) for t in (prev.plain_tokens,
                                                   verified and verified.tokens)
                           if t is not None] + [self._ids.new_zeros(1)])  # fmt: skip
-        width = max((verified.groups[prev.verify[r]].num_rows if r in prev.verify else 1)
-                    for r in request_ids if r in unresolved) if unresolved else 0  # fmt: skip
+        width = max((verified.groups[prev.verify[r]].num_rows if r in prev.verify else 1
+                     for r in request_ids if r in unresolved), default=0)  # fmt: skip
         index = np.full((len(request_ids), max(width, 1)), flat.numel() - 1, np.int64)
         group = np.full(index.shape, -1, np.int64)  # real while ``j`` <= the group's kept
         real = np.zeros(index.shape, bool)

@@ -372,11 +372,6 @@ class PendingTokens:
     tokens: torch.Tensor
     valid: torch.Tensor
 
-    def taken(self, index: list[int]) -> PendingTokens:
-        """The rows ``index``."""
-        at = _on(index, self.tokens)
-        return PendingTokens(self.tokens[at], self.valid[at])
-
 
 def process_logits(
     logits: torch.Tensor, rows: Sequence[SamplingRow], pending: PendingTokens | None = None

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.sampler import (
+    PendingTokens,
     Sampler,
     SamplingRow,
     apply_min_p,
@@ -175,6 +176,26 @@ def test_penalties_touch_only_the_rows_that_ask():
     rows = [row(output=[0]), row(presence_penalty=1.0, output=[0]), row(output=[1])]
     apply_penalties(logits, rows)
     assert logits.tolist() == [[1.0] * 4, [0.0, 1.0, 1.0, 1.0], [1.0] * 4]
+
+
+def test_pending_tokens_count_as_the_history_they_continue():
+    """Tokens known on the device only (``PendingTokens``) weigh in penalties and
+    min_tokens exactly as the same tokens at the end of the host's history do; invalid
+    entries not at all."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    params = dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.2,
+                  min_tokens=4, eos=(2,))  # fmt: skip
+    known = [row(prompt=[9], output=[1, 5, 5, 7], **params), row(output=[3], **params),
+             row(output=[], **params)]  # fmt: skip
+    pending = PendingTokens(torch.tensor([[5, 7, 0], [3, 3, 8], [4, 4, 4]]),
+                            torch.tensor([[True, True, False], [True, False, False],
+                                          [False, False, False]]))  # fmt: skip
+    split = [row(prompt=[9], output=[1, 5], **params), row(output=[], **params),
+             row(output=[], **params)]  # fmt: skip
+    assert torch.equal(process_logits(logits, split, pending), process_logits(logits, known))
+    assert not torch.isfinite(process_logits(logits, split, pending)[2, 2])  # 0 of 4 yet
+    assert torch.isfinite(process_logits(logits, split, pending)[0, 2])  # 2 + 2 pending
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
