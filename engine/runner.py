@@ -252,6 +252,31 @@ class _Previous:
     drafted: dict[str, int] = field(default_factory=dict)
     drafts: torch.Tensor | None = None
 
+    def source(self, like: torch.Tensor) -> torch.Tensor:
+        """Every token left on the device, as one flat tensor to index: the sampled ones,
+        the verified ones (``verified_at``), the drafts (``draft_at``), then a 0 (its last
+        element: padding, or a draft the drafter had no room for, which any token
+        verifies exactly)."""
+        parts = [t.reshape(-1) for t in (self.plain_tokens, self.verified and self.verified.tokens,
+                                         self.drafts) if t is not None]  # fmt: skip
+        return torch.cat(parts + [like.new_zeros(1)])
+
+    @property
+    def _num_plain(self) -> int:
+        return 0 if self.plain_tokens is None else self.plain_tokens.numel()
+
+    def verified_at(self, request_id: str) -> int:
+        """Where in ``source`` the first token the request's verification yielded is."""
+        return self._num_plain + self.verified.groups[self.verify[request_id]].row
+
+    def draft_at(self, request_id: str, j: int) -> int | None:
+        """Where in ``source`` the request's draft ``j`` made behind the step is (None:
+        none made)."""
+        if request_id not in self.drafted or j >= self.drafts.shape[1]:
+            return None
+        verified = 0 if self.verified is None else self.verified.tokens.numel()
+        return self._num_plain + verified + self.drafted[request_id] * self.drafts.shape[1] + j
+
 
 class ModelRunner:
     """``embeddings(request_id)``: the embeddings of a request's images, one tensor
@@ -457,27 +482,18 @@ class ModelRunner:
         verified = prev.verified
         kept = verified.kept if verified is not None else None
         if len(where):
-            # one flat source: the sampled tokens, the verified ones, the drafts, a 0 (a
-            # draft the drafter had no room for: any token verifies exactly)
-            sources = [t for t in (prev.plain_tokens, verified and verified.tokens,
-                                   prev.drafts) if t is not None]  # fmt: skip
-            flat = torch.cat([t.reshape(-1) for t in sources] + [ids.new_zeros(1)])
-            n_plain = 0 if prev.plain_tokens is None else prev.plain_tokens.numel()
-            n_verified = 0 if verified is None else verified.tokens.numel()
-            width = 0 if prev.drafts is None else prev.drafts.shape[1]
+            flat = prev.source(ids)
             base, groups = np.zeros(len(where), np.int64), np.full(len(where), -1, np.int64)
             for j, i in enumerate(where):
                 rid, placeholder = owners[i], host_ids[i]
                 if placeholder == UNRESOLVED and rid in prev.plain:
                     base[j] = prev.plain[rid]
                 elif placeholder == UNRESOLVED:
-                    g = groups[j] = prev.verify[rid]
-                    base[j] = n_plain + verified.groups[g].row  # + its kept count
-                elif rid in prev.drafted and draft_index(placeholder) < width:
-                    base[j] = n_plain + n_verified + prev.drafted[rid] * width + draft_index(
-                        placeholder)  # fmt: skip
+                    groups[j] = prev.verify[rid]
+                    base[j] = prev.verified_at(rid)  # + its kept count
                 else:
-                    base[j] = flat.numel() - 1
+                    at = prev.draft_at(rid, draft_index(placeholder))
+                    base[j] = flat.numel() - 1 if at is None else at
             index = host_to_device(base, device)
             bonus = np.flatnonzero(groups >= 0)
             if len(bonus):
@@ -533,12 +549,7 @@ class ModelRunner:
             return None
         prev, device = self._previous, self.device
         verified = prev.verified
-        n_plain = 0 if prev.plain_tokens is None else prev.plain_tokens.numel()
-        # one flat source: the tokens the step before sampled, those its verification
-        # yielded, and a 0 (padding)
-        flat = torch.cat([t.reshape(-1) for t in (prev.plain_tokens,
-                                                  verified and verified.tokens)
-                          if t is not None] + [self._ids.new_zeros(1)])  # fmt: skip
+        flat = prev.source(self._ids)
         width = max((verified.groups[prev.verify[r]].num_rows if r in prev.verify else 1
                      for r in request_ids if r in unresolved), default=0)  # fmt: skip
         index = np.full((len(request_ids), max(width, 1)), flat.numel() - 1, np.int64)
@@ -551,7 +562,7 @@ class ModelRunner:
                 index[i, 0], real[i, 0] = prev.plain[rid], True
             else:
                 g = verified.groups[prev.verify[rid]]
-                index[i, : g.num_rows] = n_plain + g.row + np.arange(g.num_rows)
+                index[i, : g.num_rows] = prev.verified_at(rid) + np.arange(g.num_rows)
                 group[i, : g.num_rows], real[i, : g.num_rows] = prev.verify[rid], True
         tokens = flat[host_to_device(index, device)]
         valid = host_to_device(real, device)
