@@ -93,7 +93,8 @@ class RatesDrafter(Drafter):
     seeded ``random.Random`` per proposal cost 30 us, 8 ms a step at 256 requests): every
     arm meets the same draw at the same position whatever step drafts it there (common
     random numbers; with a draw per (step start, draft index) instead, the arms' ratios
-    at one stream spread ~2x more in ``bench.spec_decode_sim``).
+    at one stream spread ~2x more: ``bench.spec_decode_sim``'s drafter drawn either way
+    over 12 seeds).
 
     ``on_device`` (the default): it drafts on the device behind each step, as the MTP
     layer does (``Drafter.launch``), from the positions the device knows, so the step

@@ -12,9 +12,11 @@ feeds them, and the cost model is told of the graphs as ``EngineCore`` tells it 
 The runner is ``bench.spec_decode_gpu``'s: a model whose greedy token is always the same
 one, and one drafter for every arm proposing ``len(rates)`` drafts (the draft at position
 j kept with probability ``rates[j]`` given the ones before, drawn from a hash of the
-request and the draft's position in the sequence, so that every arm meets the same draw
-at the same position whatever step drafts it; it reports ``rates``
-as its confidence; the drafts after the first wrong one are right again, as its are).
+request, its length and j, so that every arm meets the same draws (the GPU benchmark's
+draws by position instead; here the simulated policy tests' thresholds were set on these:
+drawn by position, dynamic enters decode at 128 streams with 27 verify steps, 0.976 of
+none); it reports ``rates`` as its confidence; the drafts after the first wrong one are
+right again, as its are).
 
 Its times (``H200Costs``) are fitted to ``bench/results/spec_decode_h200.json``
 (llama3-8b in bf16, rates 0.8 .. 0.4; the none arm's steps at each concurrency give the
@@ -280,9 +282,9 @@ class SimEngine:
             if room <= 0:
                 continue
             tokens = [RIGHT] * room
-            key = zlib.crc32(rid.encode()) << 32
+            key = (zlib.crc32(rid.encode()) << 32) ^ self._tokens[rid]
             for j in range(room):
-                if _uniform(key, self._tokens[rid] + j) >= self.rates[j]:
+                if _uniform(key, j) >= self.rates[j]:
                     tokens[j] = WRONG
                     break
             proposals[rid] = Proposal(self._tokens[rid], tokens, list(self.rates[:room]))
@@ -330,11 +332,10 @@ class SimEngine:
 _MASK = (1 << 64) - 1
 
 
-def _uniform(key: int, position: int) -> float:
-    """A uniform in [0, 1) from ``key`` and a draft's ``position`` (splitmix64's
-    finaliser): every arm meets the same draw at the same position, as with
-    ``bench.spec_decode_gpu``'s drafter."""
-    z = (key + (position + 1) * 0x9E3779B97F4A7C15) & _MASK
+def _uniform(key: int, j: int) -> float:
+    """A uniform in [0, 1) from ``key`` and ``j`` (splitmix64's finaliser, as
+    ``bench.spec_decode_gpu``'s drafter draws): every arm meets the same draws."""
+    z = (key + (j + 1) * 0x9E3779B97F4A7C15) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return (z ^ (z >> 31)) / 2.0**64
