@@ -366,11 +366,10 @@ class EngineCore:
         step whose requests can all go on before their tokens are known (not prefill-only;
         with drafts only as ``_can_run_on`` says; penalties and min_tokens count the tokens
         the device alone has: ``sampler.PendingTokens``; a structured request's sampling
-        waits for them: ``ModelRunner.complete``) is left running,
-        and the next ``step`` plans and launches its successor — whose input tokens come
-        from that step's output on the device — before it collects it. A request that the
-        collected tokens end has then run one step too many; that step's tokens are
-        dropped.
+        waits for them: ``ModelRunner.complete``) is left running, and the next ``step``
+        plans and launches its successor — whose input tokens come from that step's output
+        on the device — before it collects it. A request that the collected tokens end has
+        then run one step too many; that step's tokens are dropped.
         """
         if self.grammars and not self.scheduler.has_work and self._inflight is None:
             self.grammars.wait(_GRAMMAR_POLL_S)

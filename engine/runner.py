@@ -231,6 +231,8 @@ class _Launched:
     verify_ids: list[str] = field(default_factory=list)  # drafts verified, in group order
     verified: VerifiedTokens | None = None
     drafting: Drafting | None = None  # drafts queued behind the step (``Drafter.on_device``)
+    # requests planned before the step before was back (their input token a placeholder)
+    unresolved: frozenset[str] = frozenset()
     deferred: bool = False  # sampled after the step before was collected (``launch``)
 
     @property
@@ -365,9 +367,10 @@ class ModelRunner:
         wanted = self.drafter is not None and self.drafter.needs_hidden
         launched = _Launched(plan, clock, hidden if wanted else None, logits, self._ids,
                              self._shift)  # fmt: skip
-        launched.deferred = any(c.sample and c.token_ids[0] == UNRESOLVED
-                                and self.states[c.request_id].grammar is not None
-                                for c in plan.chunks)  # fmt: skip
+        launched.unresolved = frozenset(c.request_id for c in plan.chunks
+                                        if c.sample and c.token_ids[0] == UNRESOLVED)  # fmt: skip
+        launched.deferred = any(self.states[rid].grammar is not None
+                                for rid in launched.unresolved)  # fmt: skip
         if not launched.deferred:
             self.complete(launched)
         return launched
@@ -599,11 +602,8 @@ class ModelRunner:
                 plain_ids.append(chunk.request_id)
                 plain_rows.append(row)
             row += chunk.num_sampled_rows
-        # planned before the step before was back (its input token a placeholder) and
-        # sampled before it was collected: that step's tokens are on the device only
-        unresolved = frozenset() if launched.deferred else frozenset(
-            c.request_id for c in launched.plan.chunks
-            if c.sample and c.token_ids[0] == UNRESOLVED)  # fmt: skip
+        # sampled before the step before was collected: its tokens are on the device only
+        unresolved = frozenset() if launched.deferred else launched.unresolved
         launched.plain_ids, launched.verify_ids = plain_ids, verify_ids
         if plain_ids:
             rows = logits if not verify_ids else logits[device_index(plain_rows, self.device)]
