@@ -88,6 +88,7 @@ from engine.sampler import (
     Sampler,
     SamplingRow,
     VerifiedTokens,
+    distinct_ids,
 )
 from engine.spec.base import Drafter, Drafting, DraftRequest, DraftStep, LaunchStep, Proposal
 from engine.structured import GrammarState, build_draft_mask, build_mask
@@ -108,6 +109,7 @@ class _RowState:
     prompt_parts: list[tuple[int, PromptLogprobs]] = field(default_factory=list)
     prompt_sent: bool = False
     rope: RopeTable | None = None  # positions that are not token indices (M-RoPE)
+    prompt_ids: torch.Tensor | None = None  # its prompt's distinct ids on the device, if read
 
     def rope_offset(self, start: int) -> int | None:
         """What a token at ``start`` or later adds to its index as its position in every
@@ -145,7 +147,9 @@ class _RowState:
         return SamplingRow(
             params=self.new.sampling,
             generator=self.generator,
-            prompt_token_ids=self.new.prompt_token_ids,
+            prompt_token_ids=(
+                self.new.prompt_token_ids if self.prompt_ids is None else self.prompt_ids
+            ),
             output_token_ids=self.output_token_ids,
             eos_token_ids=self.new.eos_token_ids,
         )
@@ -897,6 +901,8 @@ class ModelRunner:
             state = _RowState(new, generator, outputs, grammar, prompt_sent=bool(outputs))
             if new.media:
                 state.rope = self.model.rope_table(len(new.prompt_token_ids), new.media)
+            if new.sampling.repetition_penalty != 1.0:
+                state.prompt_ids = distinct_ids(new.prompt_token_ids, self.device)
             self.states[new.request_id] = state
 
     def prepare(self, plan: StepPlan) -> StepInputs:

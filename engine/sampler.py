@@ -88,8 +88,9 @@ MIN_TEMPERATURE = 1e-5  # smaller positive temperatures are raised to it: logits
 class SamplingRow:
     """What the sampler needs to know about one row of the logits matrix.
 
-    Token id sequences may be lists or 1-D int64 CPU tensors; a tensor kept by the caller
-    spares converting a long prompt on every step when ``repetition_penalty`` is set.
+    Token id sequences may be lists or 1-D int64 tensors; a tensor kept by the caller on
+    the logits' device (``distinct_ids``) spares converting and copying a long prompt on
+    every step when ``repetition_penalty`` is set.
     """
 
     params: SamplingParams
@@ -448,7 +449,7 @@ def apply_penalties(
     chosen = [rows[i] for i in index]
     at = _on(index, logits)
     counts = torch.zeros(len(index), vocab, dtype=logits.dtype, device=logits.device)
-    outputs = _on(_flat_ids(chosen, vocab), logits)
+    outputs = _flat_ids(chosen, vocab, logits)
     counts.view(-1).index_add_(0, outputs, torch.ones_like(outputs, dtype=logits.dtype))
     if pending is not None:
         tokens, valid = pending.tokens[at], pending.valid[at]
@@ -458,7 +459,7 @@ def apply_penalties(
     values = logits[at]
     if any(row.params.repetition_penalty != 1.0 for row in chosen):
         seen = counts > 0
-        prompts = _on(_flat_ids(chosen, vocab, outputs=False, prompt=True), logits)
+        prompts = _flat_ids(chosen, vocab, logits, outputs=False, prompt=True)
         seen.view(-1).index_fill_(0, prompts, True)
         penalty = _column([row.params.repetition_penalty for row in chosen], logits)
         values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty),
@@ -469,15 +470,41 @@ def apply_penalties(
 
 
 def _flat_ids(
-    rows: Sequence[SamplingRow], vocab: int, outputs: bool = True, prompt: bool = False
-) -> torch.Tensor:
-    """``i * vocab + id`` for every output id (and prompt id if asked) of each row ``i``."""
-    parts = [torch.empty(0, dtype=torch.long)]
+    rows: Sequence[SamplingRow], vocab: int, like: torch.Tensor, outputs: bool = True,
+    prompt: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """``i * vocab + id`` for every output id (and prompt id if asked) of each row ``i``, on
+    ``like``'s device, in a few batched operations whatever the number of rows: the host's
+    lists are joined into one copy, tensors (a prompt's ids kept on the device by the
+    caller) are joined where they are. The order of the ids is not kept (they are counted)."""
+    host: list[int] = []
+    host_rows: list[int] = []
+    host_lengths: list[int] = []
+    kept: list[torch.Tensor] = []
+    kept_rows: list[int] = []
     for i, row in enumerate(rows):
         lists = ((row.prompt_token_ids,) if prompt else ()) + (
             (row.output_token_ids,) if outputs else ())  # fmt: skip
-        parts += [torch.as_tensor(ids, dtype=torch.long) + i * vocab for ids in lists]
-    return torch.cat(parts)
+        for ids in lists:
+            if isinstance(ids, torch.Tensor):
+                kept.append(ids)
+                kept_rows.append(i)
+            elif ids:
+                host.extend(ids)
+                host_rows.append(i)
+                host_lengths.append(len(ids))
+    host_ids, starts, lengths = (
+        torch.tensor(v, dtype=torch.long) for v in (host, host_rows, host_lengths)
+    )
+    flat = _on(host_ids + torch.repeat_interleave(starts * vocab, lengths), like)
+    if not kept:
+        return flat
+    kept = [ids.to(like.device, non_blocking=True) for ids in kept]
+    sizes = [ids.numel() for ids in kept]
+    offsets = torch.repeat_interleave(
+        _on(kept_rows, like) * vocab, _on(sizes, like), output_size=sum(sizes)
+    )
+    return torch.cat([flat, torch.cat(kept) + offsets])
 
 
 def apply_mask(logits: torch.Tensor, raw: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
@@ -692,9 +719,19 @@ def _on(
     """Host values as a tensor on ``like``'s device, without waiting for the device: a CUDA
     copy goes from pinned memory, asynchronously (a plain host-to-device copy synchronises)."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if like.device.type != "cuda":
-        return host.to(like.device)
-    return host.pin_memory().to(like.device, non_blocking=True)
+    return _to(host, like.device)
+
+
+def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def distinct_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``ids``' distinct values on ``device``: a prompt as its ``SamplingRow`` keeps it for
+    the repetition penalty, converted and copied once rather than on every step."""
+    return _to(torch.tensor(ids, dtype=torch.long).unique(), device)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from engine.sampler import (
     apply_min_p,
     apply_penalties,
     apply_top_p,
+    distinct_ids,
     process_logits,
 )
 from engine.sampling_params import SamplingParams
@@ -196,6 +197,20 @@ def test_pending_tokens_count_as_the_history_they_continue():
     assert torch.equal(process_logits(logits, split, pending), process_logits(logits, known))
     assert not torch.isfinite(process_logits(logits, split, pending)[2, 2])  # 0 of 4 yet
     assert torch.isfinite(process_logits(logits, split, pending)[0, 2])  # 2 + 2 pending
+
+
+def test_a_prompt_kept_as_its_distinct_ids_penalises_as_the_prompt_itself():
+    """``distinct_ids`` (a prompt converted once, kept on the logits' device) beside rows
+    whose prompt is a list and rows with none: the same logits as every prompt a list."""
+    torch.manual_seed(1)
+    logits = torch.randn(4, VOCAB)
+    params = dict(repetition_penalty=1.3, frequency_penalty=0.2)
+    prompts = [[3, 9, 3, 12], [5], [], [7, 7, 1]]
+    outputs = [[1, 2, 2], [], [4], [9]]
+    as_lists = [row(prompt=p, output=o, **params) for p, o in zip(prompts, outputs)]
+    kept = [row(prompt=distinct_ids(p, logits.device) if i % 2 == 0 else p, output=o, **params)
+            for i, (p, o) in enumerate(zip(prompts, outputs))]  # fmt: skip
+    assert torch.equal(process_logits(logits, kept), process_logits(logits, as_lists))
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids_until_reached():
