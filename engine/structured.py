@@ -323,12 +323,26 @@ def build_draft_mask(
     return TokenMask(bitmask, rows, vocab_size)
 
 
+# from this many constrained rows on, a step's masks are filled in xgrammar's own threads
+# (one row's fill took ~0.11 ms on an H200's host for a 128k vocabulary: 7 ms a step at 64)
+BATCH_FILL_ROWS = 4
+
+
+@cache
+def _batch_matcher() -> Any:
+    return _xgr().BatchGrammarMatcher(max_threads="auto")
+
+
 def build_mask(states: Sequence[GrammarState | None], vocab_size: int) -> TokenMask | None:
     """The mask for rows whose state is not None; None when no row is constrained."""
     rows = [i for i, s in enumerate(states) if s is not None]
     if not rows:
         return None
     bitmask = _xgr().allocate_token_bitmask(len(states), vocab_size)
-    for i in rows:
-        states[i].fill(bitmask, i)
+    if len(rows) >= BATCH_FILL_ROWS:
+        matchers = [states[i].matcher for i in rows]
+        _batch_matcher().batch_fill_next_token_bitmask(matchers, bitmask, rows)
+    else:
+        for i in rows:
+            states[i].fill(bitmask, i)
     return TokenMask(bitmask, rows, vocab_size)

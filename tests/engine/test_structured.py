@@ -13,6 +13,7 @@ from engine.request import Request
 from engine.sampler import Sampler, SamplingRow
 from engine.sampling_params import GrammarSpec, SamplingParams
 from engine.structured import (
+    BATCH_FILL_ROWS,
     GrammarCompiler,
     GrammarError,
     GrammarGate,
@@ -99,6 +100,26 @@ def test_resume_rebuilds_the_state_from_generated_tokens(compiler, smollm2_token
     assert torch.equal(a.bitmask, b.bitmask)
     with pytest.raises(GrammarError, match="breaks the grammar"):
         GrammarState.resume(compiled, smollm2_tokenizer.encode("[1]"))
+
+
+def test_a_batch_of_masks_filled_together_equals_each_filled_alone(compiler, smollm2_tokenizer):
+    """From ``BATCH_FILL_ROWS`` constrained rows on, the masks are filled in one batched
+    call: the same bits as row by row, for different grammars at different points, with
+    unconstrained rows between them and one whose grammar is complete."""
+    specs = [json_spec(PERSON), GrammarSpec("regex", "[a-z ]{1,40}"),
+             GrammarSpec("regex", "yes|no")]  # fmt: skip
+    compiled = [compiler.submit(spec).result(timeout=60) for spec in specs]
+    prefixes = ['{"name": "Bo', "hello wor", "", '{"na', "ye", "yes"]
+    states: list[GrammarState | None] = [None]
+    for i, prefix in enumerate(prefixes):
+        states.append(GrammarState.resume(compiled[i % 3], smollm2_tokenizer.encode(prefix)))
+        states.append(None)
+    assert len([s for s in states if s is not None]) >= BATCH_FILL_ROWS
+    together = build_mask(states, VOCAB)
+    alone = [build_mask([s], VOCAB) for s in states]
+    for i, mask in enumerate(alone):
+        expected = mask.bitmask[0] if mask is not None else torch.full_like(together.bitmask[i], -1)
+        assert torch.equal(together.bitmask[i], expected), i
 
 
 def test_mask_touches_only_constrained_rows_and_logprobs_stay_raw(compiler, smollm2_tokenizer):
