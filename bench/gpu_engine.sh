@@ -4,7 +4,7 @@
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
 #                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
 #                       [startup] [sdpa] [mla_paths] [mla_engine_tests] [moe_probe]
-#                       [spec_tests] [overlap]
+#                       [spec_tests] [overlap] [moe_fp8]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -15,7 +15,7 @@
 # mla_engine_tests: the engine's MLA/MoE CUDA tests alone), their
 # benchmark (bench/mla_moe_speed.py; MLA_MOE_SECTIONS picks sections), a MoE prefill stage
 # by stage (bench/moe_prefill_parts.py) and its TileLang gate/up kernel in variants
-# (bench/moe_gemm_probe.py), the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
+# (bench/moe_gemm_probe.py) and with FP8 expert weights (bench/moe_fp8.py), the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
 # two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
 # at the 8B shape (bench/pd_serving.py; lengths in words: 128 words is ~700 tokens of the dummy
 # models' byte tokenizer, 390 words ~2k); the served path at load: TPOT p50 of ferry serve
@@ -75,6 +75,9 @@ for step in "$@"; do
     moe_parts)
       $LIMIT python3 -m bench.moe_prefill_parts --commit "$COMMIT" --out "$OUT" \
         2>&1 | tee -a "$OUT/steps.log" | tail -24 || status=1 ;;
+    moe_fp8)
+      $LIMIT python3 -m bench.moe_fp8 --commit "$COMMIT" --out "$OUT" \
+        2>&1 | tee -a "$OUT/steps.log" | grep -v TileLang | tail -8 || status=1 ;;
     moe_probe)
       $LIMIT python3 -m bench.moe_gemm_probe --commit "$COMMIT" --out "$OUT" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v TileLang | tail -40 || status=1 ;;
