@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ def run_once(core: EngineCore, prompts: list[list[int]], steps: int, tag: str,
 
 
 def measure(preset: str, batch: int, context: int, steps: int, rounds: int,
-            kind: str = "plain", device: str = "cuda") -> dict:  # fmt: skip
+            kind: str = "plain", device: str = "cuda", profile: bool = False) -> dict:  # fmt: skip
     config = EngineConfig(
         model=f"dummy:{preset}", device=device, dtype="bfloat16" if device == "cuda" else "float32",
         cache=CacheConfig(block_size=128, num_blocks=batch * (-(-(context + steps) // 128)) + 4,
@@ -80,12 +81,43 @@ def measure(preset: str, batch: int, context: int, steps: int, rounds: int,
             step_ms[overlap] += [t * 1e3 for t in times]
     same = outputs[False] == outputs[True]
     off, on = (statistics.median(step_ms[m]) for m in (False, True))
+    if profile:
+        for overlap in (False, True):
+            core.overlap = overlap
+            print(f"-- {kind} batch {batch}, overlap {'on' if overlap else 'off'}: host time")
+            host_profile(*(partial(run_once, core, prompts, steps, f"{tag}{int(overlap)}", kind)
+                           for tag in ("p", "q")))  # fmt: skip
     del core
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"kind": kind, "preset": preset, "batch": batch, "context": context,
             "steps": steps, "same_tokens": same, "step_ms_off": off, "step_ms_on": on,
             "speedup": off / on}  # fmt: skip
+
+
+def host_profile(call, again, top: int = 25) -> None:
+    """Runs ``call`` under cProfile; prints the functions with the most time of their own,
+    and the callers of the first four; on CUDA, ``again`` (the same run) under torch's
+    profiler: the device's kernels and copies by their time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(call)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+    stats.print_stats(top)
+    stats.print_callers(4)  # who called the four costliest
+    stats.print_callers("linear|compute_logits")
+    report = text.getvalue()
+    print(report[report.find("   ncalls"):], flush=True)
+    if torch.cuda.is_available():  # the device's side: kernels and copies by their time
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            again()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
 
 
 def main() -> None:
@@ -97,6 +129,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kinds", default="plain,penalized,structured")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="print each point's host profile")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -104,7 +137,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             points.append(measure(args.preset, batch, args.context, args.steps, args.rounds,
-                                  kind, args.device))  # fmt: skip
+                                  kind, args.device, args.profile))  # fmt: skip
             p = points[-1]
             print(f"{kind:10s} batch {batch:4d}: off {p['step_ms_off']:.3f} ms  "
                   f"on {p['step_ms_on']:.3f} ms  x{p['speedup']:.3f}  "
