@@ -63,10 +63,10 @@ from engine.attention.base import (
     ForwardContext,
     device_index,
     host_to_device,
-    move_back,
     padded_tables,
 )
 from engine.cuda_graphs import DEFAULT_BUCKETS, DecodeGraphs
+from engine.inflight import Clock, LeftBehind
 from engine.messages import TokenLogprob
 from engine.models.base import CausalLM, RopeTable, Spliced
 from engine.models.quant import decode_rows
@@ -183,41 +183,6 @@ class StepInputs:
 Embeddings = Callable[[str], "list[torch.Tensor] | None"]
 
 
-class _Clock:
-    """Marks a step's phases: CUDA events on the GPU (read once the step is waited
-    for), the host clock elsewhere (where the host runs the work itself)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._marks: list = []
-        self._gaps: set[int] = set()  # spans that are not the step's (``gap``)
-        self.mark()
-
-    def gap(self) -> None:
-        """Mark the end of a wait that is not the step's own work: the span up to here
-        is left out of ``spans``."""
-        self._gaps.add(len(self._marks) - 1)
-        self.mark()
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def spans(self) -> list[float]:
-        """Seconds between consecutive marks (once the device has passed them)."""
-        m = self._marks
-        if self.cuda:
-            m[-1].synchronize()
-            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(m, m[1:])]
-        else:
-            spans = [b - a for a, b in zip(m, m[1:])]
-        return [span for i, span in enumerate(spans) if i not in self._gaps]
-
-
 @dataclass
 class _Launched:
     """A step queued on the device: what ``finish`` collects. Until ``complete`` has
@@ -225,7 +190,7 @@ class _Launched:
     input tokens and rows moved back (``ModelRunner.resolve_inputs``)."""
 
     plan: StepPlan
-    clock: _Clock
+    clock: Clock
     hidden: torch.Tensor | None  # the step's hidden states, when the drafter wants them
     logits: torch.Tensor | None = None
     ids: torch.Tensor | None = None
@@ -242,46 +207,6 @@ class _Launched:
     @property
     def sample_ids(self) -> list[str]:
         return self.plain_ids + self.verify_ids
-
-
-@dataclass
-class _Previous:
-    """What the last launch left on the device for the next one's inputs: the tokens it
-    sampled (``plain``, by request), the tokens its verification yielded and how many
-    drafts each group kept (``verify``: request -> group), and the drafts made behind it
-    (``drafted``: request -> row of ``drafts`` [requests, K])."""
-
-    plain: dict[str, int] = field(default_factory=dict)
-    plain_tokens: torch.Tensor | None = None
-    verify: dict[str, int] = field(default_factory=dict)
-    verified: VerifiedTokens | None = None
-    drafted: dict[str, int] = field(default_factory=dict)
-    drafts: torch.Tensor | None = None
-
-    def source(self, like: torch.Tensor) -> torch.Tensor:
-        """Every token left on the device, as one flat tensor to index: the sampled ones,
-        the verified ones (``verified_at``), the drafts (``draft_at``), then a 0 (its last
-        element: padding, or a draft the drafter had no room for, which any token
-        verifies exactly)."""
-        parts = [t.reshape(-1) for t in (self.plain_tokens, self.verified and self.verified.tokens,
-                                         self.drafts) if t is not None]  # fmt: skip
-        return torch.cat(parts + [like.new_zeros(1)])
-
-    @property
-    def _num_plain(self) -> int:
-        return 0 if self.plain_tokens is None else self.plain_tokens.numel()
-
-    def verified_at(self, request_id: str) -> int:
-        """Where in ``source`` the first token the request's verification yielded is."""
-        return self._num_plain + self.verified.groups[self.verify[request_id]].row
-
-    def draft_at(self, request_id: str, j: int) -> int | None:
-        """Where in ``source`` the request's draft ``j`` made behind the step is (None:
-        none made)."""
-        if request_id not in self.drafted or j >= self.drafts.shape[1]:
-            return None
-        verified = 0 if self.verified is None else self.verified.tokens.numel()
-        return self._num_plain + verified + self.drafted[request_id] * self.drafts.shape[1] + j
 
 
 class ModelRunner:
@@ -313,7 +238,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
         self.num_forwards = 0  # model forwards run (or replayed) since start
-        self._previous = _Previous()
+        self._previous = LeftBehind()
         self._drafted: dict[str, list[int]] = {}  # the last drafts collected, by request
         # per row of the step being launched: how many positions back its request's
         # tokens really sit (drafts the step in flight rejected); None when none do
@@ -364,7 +289,7 @@ class ModelRunner:
         self._sync_states(plan)
         if plan.is_empty:
             return None
-        clock = _Clock(self.device)
+        clock = Clock(self.device)
         with torch.inference_mode():
             logits, hidden = self._logits(plan)
         clock.mark()
@@ -401,9 +326,9 @@ class ModelRunner:
                 clock.mark()
         self._previous = self._left_behind(launched)
 
-    def _left_behind(self, launched: _Launched) -> _Previous:
-        previous = _Previous(verify={rid: g for g, rid in enumerate(launched.verify_ids)},
-                             verified=launched.verified)  # fmt: skip
+    def _left_behind(self, launched: _Launched) -> LeftBehind:
+        previous = LeftBehind(verify={rid: g for g, rid in enumerate(launched.verify_ids)},
+                              verified=launched.verified)  # fmt: skip
         if launched.plain is not None:
             previous.plain = {rid: i for i, rid in enumerate(launched.plain_ids)}
             previous.plain_tokens = launched.plain.tokens
@@ -463,65 +388,11 @@ class ModelRunner:
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         host_ids: np.ndarray, owners: list[str],
     ) -> None:  # fmt: skip
-        """Fill in, in the device tensors of a step (copies of its host values), what the
-        previous launch left on the device (``owners[i]``: the request of row ``i``):
-
-        - an UNRESOLVED token is the one that step sampled for its request, or the token
-          its verification yielded after the drafts kept;
-        - an ``unresolved_draft`` placeholder is that draft made behind it;
-        - the rows of a request whose drafts that step verified move back by the drafts
-          it rejected (the plan placed them as if all were kept): positions, context
-          lengths and KV slots (``self._shift`` keeps how far, for the drafter).
-
-        Such a request's rows must be one-token sequences (``plan.one_token_rows``): only the
-        device knows their lengths, which the attention backends read there for one-token
-        sequences (``AttentionMetadata``)."""
-        self._shift = None
-        n = len(owners)
-        prev = self._previous
-        where = np.flatnonzero(host_ids[:n] < 0)
-        # planned before that step's outcome (its tokens are placeholders here)
-        assumed = {owners[i] for i in where}
-        moved = [i for i, rid in enumerate(owners) if rid in prev.verify and rid in assumed]
-        if not len(where) and not moved:
-            return
-        device = self.device
-        verified = prev.verified
-        kept = verified.kept if verified is not None else None
-        if len(where):
-            flat = prev.source(ids)
-            base, groups = np.zeros(len(where), np.int64), np.full(len(where), -1, np.int64)
-            for j, i in enumerate(where):
-                rid, placeholder = owners[i], host_ids[i]
-                if placeholder == UNRESOLVED and rid in prev.plain:
-                    base[j] = prev.plain[rid]
-                elif placeholder == UNRESOLVED:
-                    groups[j] = prev.verify[rid]
-                    base[j] = prev.verified_at(rid)  # + its kept count
-                else:
-                    at = prev.draft_at(rid, draft_index(placeholder))
-                    base[j] = flat.numel() - 1 if at is None else at
-            index = host_to_device(base, device)
-            bonus = np.flatnonzero(groups >= 0)
-            if len(bonus):
-                at = device_index(bonus.tolist(), device)
-                index[at] += kept[device_index(groups[bonus].tolist(), device)]
-            ids[device_index(where.tolist(), device)] = flat[index]
-        if not moved:
-            return
-        # the sequence of each row (a CUDA graph's buffers hold more rows than the step)
-        seq_of = np.repeat(np.arange(meta.num_seqs), meta.query_lens_cpu)[:n]
-        if len(seq_of) < n or any(meta.query_lens_cpu[seq_of[i]] != 1 for i in moved):
-            raise RuntimeError("a request whose drafts are still being verified must run "
-                               "one-token rows in the step after")  # fmt: skip
-        groups = [prev.verify[owners[i]] for i in moved]
-        rejected = (device_index([verified.groups[g].num_draft for g in groups], device)
-                    - kept[device_index(groups, device)])  # fmt: skip
-        rows = device_index(moved, device)
-        move_back(meta, positions, rows, device_index(seq_of[moved], device), rejected,
-                  self.block_size)  # fmt: skip
-        self._shift = torch.zeros(n, dtype=torch.long, device=device)
-        self._shift[rows] = rejected
+        """Fill in, in the device tensors of a step, what the previous launch left on the
+        device (``LeftBehind.resolve``); ``self._shift`` keeps how far rows moved back,
+        for the drafter."""
+        self._shift = self._previous.resolve(ids, positions, meta, host_ids, owners,
+                                             self.block_size)  # fmt: skip
 
     def sample(self, plan: StepPlan) -> tuple[list[str], SampledTokens] | None:
         """Run the forward and sampling of a plan without drafts; returns the sampled
@@ -545,46 +416,12 @@ class ModelRunner:
 
     def _pending(self, request_ids: list[str], unresolved: frozenset[str],
                  before: list[list[int]] | None = None) -> PendingTokens | None:  # fmt: skip
-        """Per row (of ``request_ids``), the tokens of its history that only the device
-        holds: what the step before yielded for its request when this step was planned
-        before that was back (``unresolved``), then the input tokens of the step's rows
-        ``before`` it (a verify row's drafts). None when no row's sampling reads its
-        history (penalties, min_tokens)."""
-        if not any(self.states[rid].reads_history for rid in request_ids) or (
-            unresolved.isdisjoint(request_ids) and not any(before or ())
-        ):  # fmt: skip
+        """The history only the device holds, for the rows of ``request_ids``
+        (``LeftBehind.pending``); None when no row's sampling reads its history
+        (penalties, min_tokens)."""
+        if not any(self.states[rid].reads_history for rid in request_ids):
             return None
-        prev, device = self._previous, self.device
-        verified = prev.verified
-        flat = prev.source(self._ids)
-        width = max((verified.groups[prev.verify[r]].num_rows if r in prev.verify else 1
-                     for r in request_ids if r in unresolved), default=0)  # fmt: skip
-        index = np.full((len(request_ids), max(width, 1)), flat.numel() - 1, np.int64)
-        group = np.full(index.shape, -1, np.int64)  # real while ``j`` <= the group's kept
-        real = np.zeros(index.shape, bool)
-        for i, rid in enumerate(request_ids):
-            if rid not in unresolved:
-                continue
-            if rid in prev.plain:
-                index[i, 0], real[i, 0] = prev.plain[rid], True
-            else:
-                g = verified.groups[prev.verify[rid]]
-                index[i, : g.num_rows] = prev.verified_at(rid) + np.arange(g.num_rows)
-                group[i, : g.num_rows], real[i, : g.num_rows] = prev.verify[rid], True
-        tokens = flat[host_to_device(index, device)]
-        valid = host_to_device(real, device)
-        if verified is not None and (group >= 0).any():
-            kept = verified.kept[host_to_device(np.maximum(group, 0), device)]
-            j = torch.arange(index.shape[1], device=device)
-            valid = valid & ((host_to_device(group, device) < 0) | (j <= kept))
-        if before is not None and any(before):
-            rows = np.zeros((len(before), max(map(len, before))), np.int64)
-            mine = np.zeros(rows.shape, bool)
-            for i, b in enumerate(before):
-                rows[i, : len(b)], mine[i, : len(b)] = b, True
-            tokens = torch.cat((tokens, self._ids[host_to_device(rows, device)]), 1)
-            valid = torch.cat((valid, host_to_device(mine, device)), 1)
-        return PendingTokens(tokens, valid)
+        return self._previous.pending(request_ids, unresolved, self._ids, before)
 
     def _sample_and_verify(self, launched: _Launched, logits: torch.Tensor) -> None:
         """Sample the plain chunks' rows and verify the drafts of the others (``logits``
