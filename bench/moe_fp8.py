@@ -46,14 +46,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_moe(hidden, topk_ids, topk_weights, w13q, w13s, w2q, w2s, fast: bool):
     """``grouped_mm_moe`` with FP8 products: the same sort, gather and sum."""
     tokens, top_k = topk_ids.shape
-    flat = topk_ids.flatten().long()
-    order = flat.argsort(stable=True)
-    inverse = torch.empty_like(order).scatter_(
-        0, order, torch.arange(order.numel(), device=order.device)
-    )
-    counts = torch.zeros(w13q.shape[0], dtype=torch.int32, device=hidden.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    order, inverse, offsets = moe.sort_pairs(topk_ids, w13q.shape[0])
     xq, xs = quantize_rows(hidden)
     token_of = order // top_k
     gate_up = torch._scaled_grouped_mm(

@@ -329,6 +329,23 @@ def grouped_mm_available(device_index: int) -> bool:
     )
 
 
+def sort_pairs(
+    topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, k) pairs sorted by expert for a grouped product, on the device: their
+    ``order`` (pair ``order[i]`` is row ``i``; its token ``order[i] // k``), the
+    ``inverse`` order (back to (token, k) order) and each expert's end row (``offsets``,
+    int32 cumulative counts, the grouped products' ``offs``)."""
+    flat = topk_ids.flatten().long()
+    order = flat.argsort(stable=True)
+    inverse = torch.empty_like(order).scatter_(
+        0, order, torch.arange(order.numel(), device=order.device)
+    )
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=topk_ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, inverse, counts.cumsum(0, dtype=torch.int32)
+
+
 def grouped_mm_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -346,14 +363,7 @@ def grouped_mm_moe(
     a 16k-token prefill's 30 ms; the gather by the inverse order takes ~1
     (bench/results/moe_prefill_parts_h200.json)."""
     tokens, top_k = topk_ids.shape
-    flat = topk_ids.flatten().long()
-    order = flat.argsort(stable=True)
-    inverse = torch.empty_like(order).scatter_(
-        0, order, torch.arange(order.numel(), device=order.device)
-    )
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=hidden.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    order, inverse, offsets = sort_pairs(topk_ids, w13.shape[0])
     token_of = order // top_k
     gate_up = torch._grouped_mm(hidden[token_of], w13.transpose(1, 2), offs=offsets)
     weights = topk_weights.flatten()[order].float()
