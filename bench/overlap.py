@@ -56,6 +56,12 @@ def run_once(core: EngineCore, prompts: list[list[int]], steps: int, tag: str,
     return list(tokens.values()), times[2:-2]  # drop the edges: pipeline fill and drain
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter's length if one is the
+    other's start)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def measure(preset: str, batch: int, context: int, steps: int, rounds: int,
             kind: str = "plain", device: str = "cuda", profile: bool = False) -> dict:  # fmt: skip
     config = EngineConfig(
@@ -80,6 +86,11 @@ def measure(preset: str, batch: int, context: int, steps: int, rounds: int,
             assert tokens == outputs[overlap], "greedy tokens changed between rounds"
             step_ms[overlap] += [t * 1e3 for t in times]
     same = outputs[False] == outputs[True]
+    pairs = enumerate(zip(outputs[False], outputs[True]))
+    differs = [(i, first_difference(x, y)) for i, (x, y) in pairs if x != y]
+    if differs:  # which requests and from which token on, to tell a near-tie from a bug
+        print(f"{kind} batch {batch}: {len(differs)} requests differ, first (request, token): "
+              f"{differs[:8]}", flush=True)
     off, on = (statistics.median(step_ms[m]) for m in (False, True))
     if profile:
         for overlap in (False, True):
@@ -91,7 +102,8 @@ def measure(preset: str, batch: int, context: int, steps: int, rounds: int,
     if device == "cuda":
         torch.cuda.empty_cache()
     return {"kind": kind, "preset": preset, "batch": batch, "context": context,
-            "steps": steps, "same_tokens": same, "step_ms_off": off, "step_ms_on": on,
+            "steps": steps, "same_tokens": same, "differs": differs[:64],
+            "step_ms_off": off, "step_ms_on": on,
             "speedup": off / on}  # fmt: skip
 
 
