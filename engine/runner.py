@@ -90,7 +90,15 @@ from engine.sampler import (
     VerifiedTokens,
     distinct_ids,
 )
-from engine.spec.base import Drafter, Drafting, DraftRequest, DraftStep, LaunchStep, Proposal
+from engine.spec.base import (
+    Drafter,
+    Drafting,
+    DraftRequest,
+    DraftStep,
+    LaunchStep,
+    Proposal,
+    draft_depth,
+)
 from engine.structured import GrammarState, build_draft_mask, build_mask
 from kernels import parallel_builds
 
@@ -653,7 +661,8 @@ class ModelRunner:
     def _launch_drafts(self, launched: _Launched) -> Drafting:
         """Queue an ``on_device`` drafter's drafts behind the step (``LaunchStep``): every
         sampling chunk's request that may verify drafts next drafts, as far as its room
-        allows before this step's tokens (the proposal is cut to the room they leave)."""
+        allows before this step's tokens (the proposal is cut to the room they leave) and
+        no deeper than ``draft_depth`` of the drafts it verifies in this step."""
         assert self.drafter is not None
         plan, chunks = launched.plan, launched.plan.chunks
         next_ids = np.zeros(sum(c.num_tokens for c in chunks), dtype=np.int64)
@@ -674,6 +683,7 @@ class ModelRunner:
             else:
                 sampled_rows.append(last)
             room = self._room(state) if chunk.sample and state is not None else 0
+            room = min(room, draft_depth(chunk.num_draft, self.drafter.max_draft))
             if room > 0 and self.proposes and plan.propose and state.new.sampling.speculative:
                 requests.append(DraftRequest(chunk.request_id, (), chunk.block_ids, room))
                 last_rows.append(last)

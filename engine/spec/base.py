@@ -66,6 +66,18 @@ class Proposal:
         return out
 
 
+def draft_depth(verified: int, max_draft: int) -> int:
+    """How many drafts a drafter on the device makes behind a step for a request that
+    verifies ``verified`` drafts in it: one more than that (the next step is planned
+    before these are made, and the policy's lengths move little from one step to the next:
+    they may grow by one a step), all it can when it verifies none (new, or after a rest).
+    Each draft position is a chained pass of the drafter: with five drafted behind each
+    step where about one was verified, a step of 128 requests on an H200 took ~2 % longer
+    than with one drafted, for the same rows. The scheduler plans the next step's drafts
+    within the same depth (``SpecDecoding.drafts_for``)."""
+    return max_draft if verified <= 0 else min(max_draft, verified + 1)
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     """A request to propose for: it sampled this step and goes on."""

@@ -16,8 +16,9 @@ still usable — the verifier is exact whatever it is given — with the surviva
 by one (the first draft must have been right for the others to be kept). So no plan waits
 for the step in flight; with a host drafter what waits is the plan after a step that
 verified drafts, since it must know how many were kept to place its tokens. A drafter
-``on_device`` drafts behind the step in flight (``drafting``): the plan verifies those
-drafts, placeholders here (``unresolved_draft``) priced by the request's latest curve,
+``on_device`` drafts behind the step in flight (``drafting``), one past what each request
+verifies there (``base.draft_depth``): the plan verifies at most those drafts,
+placeholders here (``unresolved_draft``) priced by the request's latest curve,
 and the device places the step after the tokens really kept (``engine.runner``), so that
 plan does not wait either.
 
@@ -73,7 +74,7 @@ from dataclasses import dataclass
 from engine.config import SpeculativeConfig
 from engine.plan import StepPlan, StepResult
 from engine.request import Request, unresolved_draft
-from engine.spec.base import Proposal
+from engine.spec.base import Proposal, draft_depth
 from engine.spec.cost import MedianEstimator
 from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
@@ -136,6 +137,7 @@ class SpecDecoding:
         # whether the step in flight is followed by drafts made on the device: the plan
         # being made verifies those (``drafts_for``), their tokens known there only
         self.drafting = False
+        self._depth: dict[str, int] = {}  # the drafts made behind it, per request (``running``)
         self.policy: VerifyPolicy = POLICIES[config.schedule]()
         self._proposals: dict[str, Proposal] = {}
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
@@ -181,7 +183,8 @@ class SpecDecoding:
         if proposal is None or room <= 0 or not req.sampling.speculative:
             return None
         if self.drafting and req.num_unresolved:  # being drafted on the device, after its
-            curve = proposal.survival()[:room]  # latest proposal's curve: the lagged one
+            room = min(room, self._depth.get(req.request_id, self.max_draft))  # that deep,
+            curve = proposal.survival()[:room]  # by its latest proposal's curve (lagged)
             return Candidate(req, [unresolved_draft(j) for j in range(len(curve))], curve)
         skip = req.num_tokens - proposal.start
         if skip == 0 or (skip == 1 and req.num_unresolved == 1):
@@ -318,6 +321,9 @@ class SpecDecoding:
         ``on_device`` drafts behind it when it proposes."""
         self.in_flight = True
         self.drafting = self.on_device and plan.propose
+        if self.drafting:  # how deep the drafter drafts behind it, per request
+            self._depth = {c.request_id: draft_depth(c.num_draft, self.max_draft)
+                           for c in plan.chunks if c.sample}  # fmt: skip
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
         """Take in a step's outcome: next proposals, times, kept drafts."""

@@ -397,3 +397,51 @@ def test_penalties_and_min_tokens_with_drafts_planned_ahead_match_no_speculation
     run = generate_recorded(engine(model, spec, overlap_scheduling=True), prompts(), params)
     assert run.outputs == expected
     assert run.early > 5
+
+
+@pytest.mark.parametrize("name", ["draft-self", "mtp-kept"])
+def test_drafts_made_on_the_device_go_one_past_the_verified_and_the_next_plan_stays_within(
+    name, llama, deepseek_successor
+):
+    """A drafter on the device drafts behind a step no deeper than ``draft_depth`` of what
+    each request verifies in it, and the step planned before those drafts exist verifies
+    no more of them than were made; outputs stay those without speculation. The policy
+    asks for 3, 1, 3, 0, 2 drafts in turn (as far as each request's candidates go)."""
+    from engine.request import UNRESOLVED
+    from engine.spec.base import draft_depth
+
+    cycle = (3, 1, 3, 0, 2)
+    model, fields = on_device_case(name, llama, deepseek_successor)
+    spec = SpeculativeConfig(num_speculative_tokens=3, schedule="dynamic", **fields)
+    llm = engine(model, spec, overlap_scheduling=True)
+    drafter, scheduler = llm.core.runner.drafter, llm.core.scheduler
+    launch, schedule = drafter.launch, scheduler.schedule
+    asked, depths, made, past = [0], [], {}, [0]
+
+    def lengths(step):  # 3, 1, 3: asks two more than the step before verified
+        asked[0] += 1
+        return [min(cycle[(asked[0] + i) % 5], len(c)) for i, c in enumerate(step.curves)]
+
+    def launched(step):
+        verified = {c.request_id: c.num_draft for c in step.chunks}
+        made.clear()
+        for r in step.requests:
+            depths.append((r.num_draft, verified[r.request_id]))
+            made[r.request_id] = r.num_draft
+        return launch(step)
+
+    def planned():
+        plan = schedule()
+        for c in plan.chunks:
+            drafted = sum(t < UNRESOLVED for t in c.token_ids)  # placeholders of drafts
+            past[0] += drafted > made.get(c.request_id, 0)
+        return plan
+
+    scheduler.spec.policy.lengths = lengths
+    drafter.launch, scheduler.schedule = launched, planned
+    outputs = [r.token_ids for r in llm.generate(prompts(), GREEDY)]
+    assert outputs == reference(model)
+    assert past[0] == 0
+    assert all(d <= draft_depth(v, 3) for d, v in depths)
+    assert {(d, v) for d, v in depths if d == draft_depth(v, 3)} >= {(3, 0), (2, 1), (3, 2)}
+    llm.core.check_integrity()
