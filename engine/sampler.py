@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.base import host_to_device
 from engine.messages import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -719,19 +720,13 @@ def _on(
     """Host values as a tensor on ``like``'s device, without waiting for the device: a CUDA
     copy goes from pinned memory, asynchronously (a plain host-to-device copy synchronises)."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return _to(host, like.device)
-
-
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return host_to_device(host, like.device)
 
 
 def distinct_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """``ids``' distinct values on ``device``: a prompt as its ``SamplingRow`` keeps it for
     the repetition penalty, converted and copied once rather than on every step."""
-    return _to(torch.tensor(ids, dtype=torch.long).unique(), device)
+    return host_to_device(torch.tensor(ids, dtype=torch.long).unique(), device)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:

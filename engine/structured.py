@@ -296,9 +296,9 @@ class TokenMask:
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set forbidden logits of the constrained rows to -inf, in place."""
-        bitmask = self.bitmask
-        if logits.is_cuda:  # from pinned memory: a copy from pageable memory waits for the device
-            bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        from engine.attention.base import host_to_device  # (the frontend checks without torch)
+
+        bitmask = host_to_device(self.bitmask, logits.device)
         rows = None if len(self.rows) == logits.shape[0] else self.rows
         # xgrammar's CPU kernel on CPU (here 2x faster than its torch_native path at
         # 16 rows); its default GPU kernel on CUDA.

@@ -191,9 +191,10 @@ def padded_tables(block_ids: list[list[int]]) -> np.ndarray:
     return tables
 
 
-def host_to_device(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``; to CUDA from pinned memory, without waiting."""
-    tensor = torch.from_numpy(host)
+def host_to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host array or tensor on ``device``; to CUDA from pinned memory, without waiting
+    (a copy from pageable memory waits for the device)."""
+    tensor = host if isinstance(host, torch.Tensor) else torch.from_numpy(host)
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
