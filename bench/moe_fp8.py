@@ -94,10 +94,7 @@ def main() -> None:
             row["ms"][name], _ = time_calls([call])
         # stages alone, on inputs the stages before made
         xq, xs = quantize_rows(x)
-        flat = ids.flatten().long()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=EXPERTS).int()
-        offsets = counts.cumsum(0, dtype=torch.int32)
+        order, _, offsets = moe.sort_pairs(ids, EXPERTS)
         token_of = order // TOP_K
         rows_q, rows_s = xq[token_of], xs[token_of]
         gate_up = torch._scaled_grouped_mm(rows_q, w13q.transpose(1, 2), rows_s, w13s,

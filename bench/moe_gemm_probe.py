@@ -72,9 +72,7 @@ def probe(tokens: int, w13: torch.Tensor, w2: torch.Tensor, kernels: dict) -> di
     flops = 2.0 * pairs * HIDDEN * 2 * INTER
     row = {"tokens": tokens, "variants": {}}
     # torch: its two grouped products (gate/up, down)
-    flat = ids.flatten().long()
-    order = flat.argsort(stable=True)
-    offsets = torch.bincount(flat, minlength=EXPERTS).cumsum(0, dtype=torch.int32)
+    order, _, offsets = moe.sort_pairs(ids, EXPERTS)
     rows = x[order // TOP_K]
     ms, _ = time_calls([lambda: torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)])
     row["torch_grouped_mm_ms"] = ms

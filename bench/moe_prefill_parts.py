@@ -5,11 +5,11 @@
 On a CUDA machine. DeepSeek-V3's routed experts (256 experts, top-8, hidden 7168, width
 2048) under uniform random routing. Times, each over CUDA-graph replays
 (``bench.kernel_speed.time_calls``): the whole ``kernels.moe.grouped_mm_moe``; its
-stages alone (sorting the pairs, gathering their rows, the gate/up grouped GEMM, SiLU, mul
-and the routing weight in one kernel (torch's three ops beside it), the down grouped GEMM,
-gathering the pairs back in order and summing (beside it the way before: weighting the
-outputs and writing them back by index)); one
-dense GEMM of the same FLOPs as each grouped one (what the matrix units give at that
+stages alone (sorting the pairs with their inverse order, ``moe.sort_pairs``; gathering
+their rows, the gate/up grouped GEMM, SiLU, mul and the routing weight in one kernel
+(torch's three ops beside it), the down grouped GEMM, gathering the pairs back in order
+and summing (beside it the way before: weighting the outputs and writing them back by
+index)); one dense GEMM of the same FLOPs as each grouped one (what the matrix units give at that
 shape without groups). Floors: the FLOPs at the measured matmul peak, and the experts'
 weights (every expert is chosen at these token counts) at the copy ceiling.
 
@@ -46,11 +46,7 @@ BF16 = torch.bfloat16
 def stages(x, ids, weights, w13, w2) -> dict:
     """Each stage of ``grouped_mm_moe`` as a call on inputs prepared by the ones before."""
     tokens, top_k = ids.shape
-    flat = ids.flatten().long()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    order, inverse, offsets = moe.sort_pairs(ids, EXPERTS)
     token_of = order // top_k
     rows = x[token_of]
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
@@ -59,14 +55,6 @@ def stages(x, ids, weights, w13, w2) -> dict:
     w32 = weights.flatten()[order].float()
     h = silu_and_mul(gate_up, row_scale=w32)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device="cuda"))
-
-    def sort():
-        f = ids.flatten().long()
-        o = f.argsort(stable=True)
-        c = torch.zeros(EXPERTS, dtype=torch.int32, device="cuda")
-        c.scatter_add_(0, f, torch.ones_like(f, dtype=torch.int32))
-        return o, c.cumsum(0, dtype=torch.int32)
 
     def back():
         per_pair = y.index_select(0, inverse)
@@ -83,7 +71,7 @@ def stages(x, ids, weights, w13, w2) -> dict:
     a_d = torch.randn(pairs, INTER, device="cuda", dtype=BF16)
     b_d = torch.randn(INTER, HIDDEN, device="cuda", dtype=BF16)
     return {
-        "sort": sort,
+        "sort": partial(moe.sort_pairs, ids, EXPERTS),
         "gather": lambda: x[token_of],
         "gate_up_grouped_mm": lambda: torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets),
         "silu_mul_weight": lambda: silu_and_mul(gate_up, row_scale=w32),
