@@ -36,7 +36,7 @@ from engine.attention import build_backend
 from engine.cuda_graphs import capture_graph
 from engine.loader import load_model
 from engine.models.llama import Linear
-from engine.models.moe import MoE
+from engine.models.moe import QUANTIZATIONS, Fp8Experts, MoE
 from engine.plan import NewRequest, ScheduledChunk, StepPlan, StepResult
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
@@ -121,9 +121,11 @@ class Bench:
         device: str = "cuda",
         graph_batch: int = 0,
         graph_seq_len: int = 0,
+        quantization: str = "none",
     ) -> None:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        loaded = load_model(f"dummy:{preset}", device=device, dtype=dtype, progress=False)
+        loaded = load_model(f"dummy:{preset}", device=device, dtype=dtype, progress=False,
+                            quantization=quantization)  # fmt: skip
         self.model, cfg = loaded.model, loaded.config
         self.config = cfg
         layout = self.model.kv_layout(BLOCK, dtype)
@@ -132,15 +134,23 @@ class Bench:
         self.backend_name = type(backend).__name__
         self.runner = ModelRunner(self.model, backend, Sampler(cfg.vocab_size, device), BLOCK)
         self.kv_bytes_per_token = layout.bytes_per_block // BLOCK
+        # the weights: parameters, and FP8 experts' buffers (their scales too)
+        fp8 = [m for m in self.model.modules() if isinstance(m, Fp8Experts)]
+        weights = [*self.model.parameters(), *(b for m in fp8 for b in m.buffers())]
         params = sum(p.numel() for p in self.model.parameters())
+        params += sum(m.w13.numel() + m.w2.numel() for m in fp8)
         embed = self.model.model.embed_tokens.weight
-        self.weight_bytes = (params - embed.numel()) * embed.element_size()
+        self.weight_bytes = sum(w.numel() * w.element_size() for w in weights) - (
+            embed.numel() * embed.element_size()
+        )
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoE)]
         routed = sum(m.experts.w13.numel() + m.experts.w2.numel() for m in self.moe_layers)
-        self.expert_params = 0
+        self.expert_params = self.expert_bytes = 0
         if self.moe_layers:
             experts = self.moe_layers[0].experts
             self.expert_params = experts.w13[0].numel() + experts.w2[0].numel()
+            self.expert_bytes = sum(b[0].numel() * b.element_size() for b in experts.buffers())
+            self.expert_bytes = self.expert_bytes or self.expert_params * embed.element_size()
         active = routed - len(self.moe_layers) * self.expert_params * (
             cfg.moe.top_k if cfg.moe else 0
         )  # the routed experts a token does not run
@@ -227,9 +237,8 @@ class Bench:
             self.runner.graphs = graphs
             for h in hooks:
                 h.remove()
-        size = self.model.model.embed_tokens.weight.element_size()
         every = len(self.moe_layers) * self.moe_layers[0].experts.w13.shape[0]
-        return self.weight_bytes - (every - sum(chosen)) * self.expert_params * size
+        return self.weight_bytes - (every - sum(chosen)) * self.expert_bytes
 
     def skinny_ab(self, points, repeats: int) -> list[dict]:
         """Decode steps with the skinny GEMV kernel, then with every projection on the
@@ -533,6 +542,8 @@ def main() -> None:
     )
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                        help="fp8: the routed experts in FP8 (ferry serve --quantization)")
     parser.add_argument("--hf", action="store_true", help="also time transformers")
     parser.add_argument("--hf-only", action="store_true", help="time transformers alone")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on a small preset")
@@ -571,6 +582,7 @@ def main() -> None:
         args.device,
         graph_batch=max(b for b, _ in points) if graph else 0,
         graph_seq_len=max(c for _, c in points) if graph else 0,
+        quantization=args.quantization,
     )
     decode = [bench.decode(b, c, args.repeats) for b, c in points]
     decode_eager = [bench.decode(b, c, args.repeats, eager=True) for b, c in eager_points]
@@ -588,6 +600,7 @@ def main() -> None:
         "benchmark": "gpu_engine",
         **machine_info(),
         "preset": args.preset,
+        "quantization": args.quantization,
         "attention_backend": bench.backend_name,
         "ceilings": {"copy_bytes_per_s": COPY_BW, "bf16_flop_per_s": MATMUL_PEAK},
         "weight_bytes_read_per_step": bench.weight_bytes,

@@ -4,7 +4,7 @@
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
 #                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
 #                       [startup] [sdpa] [mla_paths] [mla_engine_tests] [moe_probe]
-#                       [spec_tests] [overlap] [moe_fp8]
+#                       [spec_tests] [overlap] [moe_fp8] [fp8_tests] [ds_step_fp8] [ds_serve_fp8]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -15,7 +15,9 @@
 # mla_engine_tests: the engine's MLA/MoE CUDA tests alone), their
 # benchmark (bench/mla_moe_speed.py; MLA_MOE_SECTIONS picks sections), a MoE prefill stage
 # by stage (bench/moe_prefill_parts.py) and its TileLang gate/up kernel in variants
-# (bench/moe_gemm_probe.py) and with FP8 expert weights (bench/moe_fp8.py), the whole decode step of dummy:deepseek-v3-4l, and ferry serve answering it (aggregated:
+# (bench/moe_gemm_probe.py) and with FP8 expert weights (bench/moe_fp8.py; fp8_tests: the FP8
+# kernels' and FP8 engine's CUDA tests), the whole decode step of dummy:deepseek-v3-4l (with
+# --quantization fp8: ds_step_fp8), and ferry serve answering it (ds_serve_fp8: FP8; aggregated:
 # two copies of its 74 GB do not fit one GPU); aggregated vs 1P+1D over CUDA IPC on one GPU
 # at the 8B shape (bench/pd_serving.py; lengths in words: 128 words is ~700 tokens of the dummy
 # models' byte tokenizer, 390 words ~2k); the served path at load: TPOT p50 of ferry serve
@@ -78,6 +80,10 @@ for step in "$@"; do
     moe_fp8)
       $LIMIT python3 -m bench.moe_fp8 --commit "$COMMIT" --out "$OUT" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v TileLang | tail -8 || status=1 ;;
+    fp8_tests)
+      $LIMIT python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_cuda.py \
+        tests/kernels/test_fp8_references.py tests/engine/test_fp8_experts.py \
+        tests/engine/test_cuda_mla_moe_kernels.py 2>&1 | tee -a "$OUT/steps.log" | tail -15 || status=1 ;;
     moe_probe)
       $LIMIT python3 -m bench.moe_gemm_probe --commit "$COMMIT" --out "$OUT" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v TileLang | tail -40 || status=1 ;;
@@ -90,6 +96,18 @@ for step in "$@"; do
         --eager-points 1x1024 --skinny-ab "" --prefill 4096 --profile-prefill --engine-step "" --repeats 10 \
         --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l.json" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
+    ds_step_fp8)
+      $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --quantization fp8 \
+        --points 1x1024,64x1024,256x1024 --eager-points "" --skinny-ab "" --prefill 4096 \
+        --profile-prefill --engine-step "" --repeats 10 --commit "$COMMIT" \
+        --out "$OUT/gpu_engine_deepseek_v3_4l_fp8.json" \
+        2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
+    ds_serve_fp8)
+      $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
+        --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 --logs "$OUT/logs" \
+        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8 --quantization fp8" \
+        --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l_fp8.json" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
     ds_serve)
       $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
         --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 --logs "$OUT/logs" \

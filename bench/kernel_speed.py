@@ -38,9 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import machine_info  # noqa: E402
 from kernels import activation as act  # noqa: E402
+from kernels import (
+    fp8,  # noqa: E402
+    moe,  # noqa: E402
+)
 from kernels import gemv as gv  # noqa: E402
 from kernels import mla_decode as mla  # noqa: E402
-from kernels import moe  # noqa: E402
 from kernels import norm_rope_cache as nrc  # noqa: E402
 from kernels import paged_decode_attention as dec  # noqa: E402
 from kernels import prefill_attention as pre  # noqa: E402
@@ -482,6 +485,7 @@ def _build(cfg) -> float:
         act.SiluMulConfig: act.silu_mul_build,
         mla.MLADecodeConfig: mla.mla_decode_build,
         moe.GroupedGemmConfig: moe.grouped_gemm_build,
+        fp8.QuantizeRowsConfig: fp8.quantize_rows_build,
     }[type(cfg)]
     builder(cfg).build()
     return time.perf_counter() - start

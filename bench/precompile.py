@@ -9,7 +9,8 @@ each test process (kernels/NOTES.md, "How to rerun"). The configs come from the 
 themselves (built on the meta device, no weights): for every skinny projection the GEMV
 at 1-4 rows, every RMSNorm, every SiLU-and-mul, the GQA attention kernels at the test
 block size, and the MLA decode and grouped-GEMM MoE kernels the shapes take; plus the
-fixed shapes of the MLA/MoE kernel tests and ``bench.mla_moe_speed``.
+fixed shapes of the MLA/MoE and FP8 kernel tests, ``bench.mla_moe_speed`` and
+``bench.moe_fp8``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def model_configs(config) -> set:
             experts, two_inter, hidden = mod.w13.shape
             for block_m in (16, 64, 128):
                 out |= set(moe.kernel_configs(experts, hidden, two_inter // 2, BF16, block_m))
+            out |= fp8_configs(hidden, two_inter // 2)  # --quantization fp8
     scale = model.attention_scale
     if config.mla is not None:
         mla = config.mla
@@ -81,6 +83,14 @@ def model_configs(config) -> set:
     return out
 
 
+def fp8_configs(hidden: int, inter: int) -> set:
+    """The kernels of ``kernels.moe.fp8_grouped_moe`` at these widths."""
+    from kernels.activation import SiluMulConfig
+    from kernels.fp8 import QuantizeRowsConfig
+
+    return {QuantizeRowsConfig(hidden, "bfloat16"), SiluMulConfig(inter, "bfloat16", True, True)}
+
+
 def test_and_bench_configs() -> set:
     """The fixed shapes of tests/kernels/test_mla_moe_cuda.py, tests/engine's kernel-wide
     DeepSeek model and bench/mla_moe_speed.py."""
@@ -97,6 +107,7 @@ def test_and_bench_configs() -> set:
     for experts, hidden, inter in [(256, 7168, 2048), (128, 2048, 768), (16, 64, 32)]:
         for block_m in (16, 64, 128):
             out |= set(moe.kernel_configs(experts, hidden, inter, BF16, block_m))
+        out |= fp8_configs(hidden, inter)  # tests/kernels/test_fp8_cuda.py, bench/moe_fp8.py
     return out
 
 

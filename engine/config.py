@@ -547,6 +547,9 @@ class EngineConfig:
     # matrices on the CPU (engine.models.quant): fp32, int8, int4; "auto": int4 for a GGUF
     # model on the CPU (its own 4/8-bit blocks, kept as they are), fp32 otherwise
     cpu_weights: str = "auto"
+    # "fp8": a MoE model's routed experts in FP8 e4m3, a scale per output channel
+    # (engine.models.moe.Fp8Experts); "none": every weight in ``dtype``
+    quantization: str = "none"
     seed: int = 0
     num_threads: int = 0  # 0: torch's default
     # no CUDA graphs (CUDA) or recorded decode programs (CPU): every step runs eagerly

@@ -42,7 +42,8 @@ from kernels._tl import (
     kernels_usable,
     tl_dtype,
 )
-from kernels.activation import silu_and_mul
+from kernels.activation import silu_and_mul, silu_and_mul_fp8
+from kernels.fp8 import FP8, dequantize_rows, quantize_rows, quantize_rows_ref
 
 GROUP_M = 8  # row blocks per launch panel
 
@@ -395,6 +396,86 @@ def moe_experts_cuda(
     if block_m_for(pairs, experts) > 16 and grouped_mm_available(hidden.device.index or 0):
         return grouped_mm_moe(hidden, topk_ids, topk_weights, w13, w2)
     return fused_moe(hidden, topk_ids, topk_weights, w13, w2)
+
+
+def fp8_grouped_moe_supported(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> bool:
+    """True when ``fp8_grouped_moe`` takes these operands: bf16 tokens on a Hopper GPU
+    with TileLang, e4m3 weights of matching shapes, widths multiples of 16."""
+    if not (hidden.dim() == 2 and w13.dim() == 3 and w2.dim() == 3):
+        return False
+    experts, two_inter, width = w13.shape
+    return (
+        kernels_usable(hidden.device)
+        and hidden.dtype == torch.bfloat16
+        and w13.dtype == FP8
+        and w2.dtype == FP8
+        and hasattr(torch, "_scaled_grouped_mm")
+        and grouped_mm_available(hidden.device.index or 0)
+        and width == hidden.shape[1]
+        and tuple(w2.shape) == (experts, width, two_inter // 2)
+        and width % 16 == 0
+        and two_inter % 32 == 0
+    )
+
+
+def fp8_grouped_moe(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``grouped_mm_moe`` with FP8 products: ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` in e4m3
+    with a float32 scale per output channel (``w13_scale [E, 2I]``, ``w2_scale [E, H]``:
+    ``kernels.fp8``'s rows), the tokens quantized the same way per row
+    (``kernels.fp8.quantize_rows``) before the sort, and SiLU-and-mul writing FP8 rows
+    for the down product (``silu_and_mul_fp8``, the routing weight applied before its
+    scale is taken); both products are ``torch._scaled_grouped_mm`` with fast
+    accumulation, out in bf16. ``fp8_moe_ref`` is its function in float32. No host
+    synchronisation."""
+    tokens, top_k = topk_ids.shape
+    order, inverse, offsets = sort_pairs(topk_ids, w13.shape[0])
+    xq, xs = quantize_rows(hidden.contiguous())
+    token_of = order // top_k
+    gate_up = torch._scaled_grouped_mm(
+        xq[token_of], w13.transpose(1, 2), xs[token_of], w13_scale, offs=offsets,
+        out_dtype=torch.bfloat16, use_fast_accum=True,
+    )  # fmt: skip
+    hq, hs = silu_and_mul_fp8(gate_up, topk_weights.flatten()[order].float())
+    y = torch._scaled_grouped_mm(
+        hq, w2.transpose(1, 2), hs, w2_scale, offs=offsets, out_dtype=torch.bfloat16,
+        use_fast_accum=True,
+    )  # fmt: skip
+    per_pair = y.index_select(0, inverse)  # (token, k) order: the sum below is deterministic
+    return per_pair.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+
+
+def fp8_moe_ref(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+) -> torch.Tensor:
+    """``fp8_grouped_moe``'s function in float32 torch ops on any device, expert by expert:
+    the tokens and SiLU-and-mul's output rounded to FP8 rows as there, every product and
+    sum in float32. Returns float32 [T, H]."""
+    x = dequantize_rows(*quantize_rows_ref(hidden))
+    out = torch.zeros(hidden.shape[0], w13.shape[2], dtype=torch.float32, device=hidden.device)
+    inter = w2.shape[2]
+    for expert in topk_ids.unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = x[token] @ dequantize_rows(w13[expert], w13_scale[expert]).T
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        h = dequantize_rows(*quantize_rows_ref(h * topk_weights[token, slot, None].float()))
+        out.index_add_(0, token, h @ dequantize_rows(w2[expert], w2_scale[expert]).T)
+    return out
 
 
 def fused_moe_ref(

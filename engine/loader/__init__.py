@@ -174,6 +174,7 @@ def load_model(
     seed: int = 0,
     weights: str = "fp32",
     vision: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load config, weights (onto ``device`` in ``dtype``) and tokenizer for ``spec``.
 
@@ -182,12 +183,15 @@ def load_model(
     (``engine.models.quant.CPU_WEIGHTS``; int8/int4 for GGUF and HF models on the CPU, where
     a GGUF's own blocks are kept). ``vision`` False: a vision-language model without its
     vision tower (its weights are not read: the images are encoded elsewhere).
+    ``quantization`` "fp8": a MoE model's routed experts in FP8 once loaded
+    (``engine.models.moe.quantize_experts``; on CUDA, a Hopper GPU).
     The tokenizer's end-of-turn ids are merged into ``config.eos_token_ids``.
     """
     import torch
 
     from engine.loader import dummy, hf
     from engine.models import build_model
+    from engine.models.moe import quantize_experts
 
     dtype = torch.float32 if dtype is None else dtype
     if weights != "fp32" and (torch.device(device).type != "cpu" or spec.startswith(DUMMY_PREFIX)):
@@ -216,6 +220,9 @@ def load_model(
         keep = None if vision or config.vision is None else _text_only
         model.load_weights(hf.iter_hf_weights(path, device, progress, keep))
         tokenizer = load_tokenizer(str(path))
+    if quantization != "none":
+        check_quantization(quantization, config, device)
+        quantize_experts(model, quantization)
     config = _with_tokenizer_eos(config, tokenizer)
     model.config = config
     return LoadedModel(
@@ -227,6 +234,30 @@ def load_model(
         aliases=model_aliases(spec),
         load_seconds=time.perf_counter() - start,
     )
+
+
+def check_quantization(
+    quantization: str, config: ModelConfig, device: torch.device | str | None = None
+) -> None:
+    """Raise ValueError, saying what to change, unless ``quantization`` serves this model
+    (on ``device``, when given)."""
+    import torch
+
+    from engine.models.moe import QUANTIZATIONS
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization}: expected one of {QUANTIZATIONS}")
+    if quantization == "none":
+        return
+    if config.moe is None:
+        raise ValueError(f"--quantization {quantization} quantizes a MoE model's routed "
+                         f"experts; {config.name} has none (leave it out)")  # fmt: skip
+    if device is None:
+        return
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"--quantization {quantization}: FP8 experts run on Hopper GPUs "
+                         "(sm_90) or newer; leave it out on this GPU")  # fmt: skip
 
 
 def _text_only(name: str) -> bool:
@@ -344,6 +375,7 @@ __all__ = [
     "load_image_inputs",
     "load_image_processor",
     "load_model",
+    "check_quantization",
     "load_model_config",
     "load_vision_model",
     "load_tokenizer",

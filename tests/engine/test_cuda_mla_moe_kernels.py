@@ -18,6 +18,7 @@ from engine.attention import build_backend, torch_mla
 from engine.attention.tilelang_mla import TileLangMLABackend
 from engine.config import MLAConfig
 from engine.loader.dummy import build_dummy_model, dummy_config
+from engine.models.moe import quantize_experts
 from engine.plan import NewRequest, ScheduledChunk, StepPlan
 from engine.runner import ModelRunner, step_inputs
 from engine.sampler import Sampler
@@ -42,8 +43,9 @@ KERNEL_WIDE = dataclasses.replace(
 )  # fmt: skip
 
 
-def make_runner(backend: str) -> ModelRunner:
-    model = build_dummy_model(KERNEL_WIDE, "cuda", torch.bfloat16, seed=0)
+def make_runner(backend: str, quantization: str = "none") -> ModelRunner:
+    model = quantize_experts(build_dummy_model(KERNEL_WIDE, "cuda", torch.bfloat16, seed=0),
+                             quantization)  # fmt: skip
     cache = KVCache(model.kv_layout(BLOCK, torch.bfloat16), 1 + 4 * PER_SEQ, "cuda")
     attention = build_backend(cache, KERNEL_WIDE, model.attention_scale, "cuda", backend)
     return ModelRunner(model, attention, Sampler(KERNEL_WIDE.vocab_size, "cuda"), BLOCK)
@@ -82,7 +84,14 @@ def test_kernel_wide_model_takes_the_tilelang_mla_backend():
     assert isinstance(make_runner("auto").backend, TileLangMLABackend)
 
 
-def test_graphed_kernel_decode_matches_eager_kernel_decode():
+HOPPER = pytest.param("fp8", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="FP8 experts need a Hopper GPU"))  # fmt: skip
+QUANTIZATIONS = ["none", HOPPER]
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_graphed_kernel_decode_matches_eager_kernel_decode(quantization):
     """Both runners take the kernels, the graphed one captured. A 2.2k-token prompt makes
     both split the MLA context alike (``choose_num_splits`` caps at 33 splits for four
     sequences here), so the two compute the same sums; against the torch MLA backend the
@@ -91,23 +100,38 @@ def test_graphed_kernel_decode_matches_eager_kernel_decode():
     then (seen: 6 % logits error at two steps of eight)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (5, 130, 33, 2200)]
-    graphed = make_runner("tilelang")
+    graphed = make_runner("tilelang", quantization)
     graphs = graphed.capture_decode_graphs(max_batch=8, max_seq_len=PER_SEQ * BLOCK)
     assert graphs.captured
-    errors = lockstep_errors((graphed, make_runner("tilelang")), prompts, steps=8)
+    errors = lockstep_errors((graphed, make_runner("tilelang", quantization)), prompts, steps=8)
     assert max(errors) < 1e-2, errors
 
 
-def test_piecewise_graph_steps_match_eager_steps():
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_piecewise_graph_steps_match_eager_steps(quantization):
     """Prefill (168 tokens) and decode steps through graph pieces cut at the TileLang
     MLA attention, the grouped-GEMM experts captured inside them, against eager steps."""
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (5, 130, 33)]
-    pieced = make_runner("tilelang")
+    pieced = make_runner("tilelang", quantization)
     pieces = pieced.capture_piecewise_graphs(256)
     assert pieces.captured
-    errors = lockstep_errors((pieced, make_runner("tilelang")), prompts, steps=4)
+    errors = lockstep_errors((pieced, make_runner("tilelang", quantization)), prompts, steps=4)
     assert max(errors) < 1e-2, errors
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs a Hopper GPU",
+)
+def test_fp8_experts_logits_stay_near_the_bf16_models():
+    """FP8 experts (the grouped FP8 path) against the same model in bf16, step by step:
+    within FP8's error at the median step (a routing near-tie may tip on a step)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (5, 130, 33)]
+    errors = lockstep_errors((make_runner("tilelang", "fp8"), make_runner("tilelang")),
+                             prompts, steps=6)  # fmt: skip
+    assert 0 < sorted(errors)[len(errors) // 2] < 0.1, errors
 
 
 def test_mla_prefill_through_the_fused_backends_matches_the_math_kernel(monkeypatch):
