@@ -34,6 +34,18 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   the step's own size was measured: the drafter rests after verdicts only
   (``SpecDecoding``).
 
+  Drafts must *beat* no drafts: by ``MARGIN`` (3 %) of the rate, about the step-cost
+  model's error (2-5 % a step on the H200 sweep). On the H200 at 256 streams of the 8B
+  shape a verify step of 512 rows yielded 22.4 tok/ms where steps without drafts yielded
+  23.8, and the model, right to within its error on both, put them a percent apart the
+  other way: a choice on that knife-edge lost 3-4 % over the run. In a step with
+  prefill, drafts are priced at least at what they add to a decode step of the step's
+  sequences (``base_yield`` rows plus the drafts, the decode kind's points): the
+  prefill kind's line, fitted on steps of long prompts, priced steps of a few hundred
+  prompt tokens and 400-500 drafts 10-20 % under what they took (the drafts' sequences'
+  contexts are read by the prefill path's attention), and drafts packed into them paid
+  21.4 tok/ms against 24.3 without.
+
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
   cheaply than measured (``engine.spec.cost``): a size never run costs what the next
@@ -113,6 +125,7 @@ class FixedPolicy(VerifyPolicy):
         return [len(c) for c in step.curves]
 
 
+MARGIN = 0.03  # what drafts must pay beyond no drafts (module docstring)
 EXPLORE_EVERY = 4  # steps between two explorations of a step size never measured (a size
 # needs 3 samples: 12 steps)
 
@@ -158,16 +171,19 @@ class DynamicPolicy(VerifyPolicy):
 
         def pricer(optimistic: bool) -> Callable[[int], float]:
             table = forward.times(step.base_tokens, drafts, decode, optimistic)
+            if not decode:  # drafts cost at least what they cost in a decode step
+                rows = forward.times(step.base_yield, drafts, True, optimistic)
+                table = [table[0] + max(t - table[0], r - rows[0]) for t, r in zip(table, rows)]
             return lambda n: table[n] + fixed + (drafting if n else 0.0)
 
         if decode:
             def choose(time: Callable[[int], float], limit: int | None) -> int:
-                return best_total(step.budget_curves, step.base_yield, time, limit)
+                return best_total(step.budget_curves, step.base_yield, time, limit, MARGIN)
         else:  # the step's prefill runs anyway: drafts must pay as decode steps would
             rate = step.base_yield / (forward.time(step.base_yield, True) + fixed)
 
             def choose(time: Callable[[int], float], limit: int | None) -> int:
-                return best_gain(step.budget_curves, rate, time, limit)
+                return best_gain(step.budget_curves, rate, time, limit, MARGIN)
 
         total = choose(pricer(False), step.limit)
         self._since_explore += 1
@@ -191,16 +207,17 @@ class DynamicPolicy(VerifyPolicy):
 
 def best_total(
     curves: Sequence[Sequence[float]], base_yield: float, time: Callable[[int], float],
-    limit: int | None = None,
+    limit: int | None = None, margin: float = 0.0,
 ) -> int:
     """How many drafts to verify in all: the count ``n`` whose step yields the most
     expected tokens per second, ``(base_yield + the n largest P) / time(n)``, trying every
-    ``n`` from 0 to all of them, or to ``limit`` (the first best wins ties)."""
+    ``n`` from 0 to all of them, or to ``limit`` (the first best wins ties); a count
+    above 0 only where its rate beats no drafts' by more than ``margin`` (a fraction)."""
     values = sorted((p for curve in curves for p in curve), reverse=True)
     if limit is not None:
         values = values[: max(limit, 0)]
     expected = float(base_yield)
-    best_n, best_rate = 0, expected / time(0)
+    best_n, best_rate = 0, expected / time(0) * (1.0 + margin)
     for n, p in enumerate(values, start=1):
         expected += p
         rate = expected / time(n)
@@ -211,13 +228,14 @@ def best_total(
 
 def best_gain(
     curves: Sequence[Sequence[float]], rate: float, time: Callable[[int], float],
-    limit: int | None = None,
+    limit: int | None = None, margin: float = 0.0,
 ) -> int:
     """How many drafts to verify in all in a step whose own tokens run anyway (prefill):
     the count ``n`` whose expected kept drafts (the ``n`` largest P) exceed most what
     the time they add, ``time(n) - time(0)``, yields at ``rate`` tokens per second (what
-    the engine gets without them), trying every ``n`` from 0 to all, or to ``limit``
-    (the first best wins ties)."""
+    the engine gets without them) raised by ``margin``, trying every ``n`` from 0 to all,
+    or to ``limit`` (the first best wins ties)."""
+    rate *= 1.0 + margin
     values = sorted((p for curve in curves for p in curve), reverse=True)
     if limit is not None:
         values = values[: max(limit, 0)]
