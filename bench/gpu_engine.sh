@@ -91,28 +91,19 @@ for step in "$@"; do
       $LIMIT python3 -m bench.mla_moe_speed --commit "$COMMIT" --out "$OUT" \
         --sections "${MLA_MOE_SECTIONS:-mla,moe,router}" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -40 || status=1 ;;
-    ds_step)
-      $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --points 1x1024,64x1024,256x1024 \
-        --eager-points 1x1024 --skinny-ab "" --prefill 4096 --profile-prefill --engine-step "" --repeats 10 \
-        --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l.json" \
+    ds_step|ds_step_fp8)
+      quant=none; [ "$step" = ds_step_fp8 ] && quant=fp8
+      $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --quantization $quant \
+        --points 1x1024,64x1024,256x1024 --eager-points "$([ $quant = none ] && echo 1x1024)" \
+        --skinny-ab "" --prefill 4096 --profile-prefill --engine-step "" --repeats 10 \
+        --commit "$COMMIT" --out "$OUT/gpu_engine_deepseek_v3_4l$([ $quant = fp8 ] && echo _fp8).json" \
         2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
-    ds_step_fp8)
-      $LIMIT python3 -m bench.gpu_engine --preset deepseek-v3-4l --quantization fp8 \
-        --points 1x1024,64x1024,256x1024 --eager-points "" --skinny-ab "" --prefill 4096 \
-        --profile-prefill --engine-step "" --repeats 10 --commit "$COMMIT" \
-        --out "$OUT/gpu_engine_deepseek_v3_4l_fp8.json" \
-        2>&1 | tee -a "$OUT/steps.log" | grep -v Warning | tail -12 || status=1 ;;
-    ds_serve_fp8)
+    ds_serve|ds_serve_fp8)
+      quant=none; [ "$step" = ds_serve_fp8 ] && quant=fp8
       $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
         --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 --logs "$OUT/logs" \
-        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8 --quantization fp8" \
-        --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l_fp8.json" \
-        2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
-    ds_serve)
-      $LIMIT python3 -m bench.pd_serving --model dummy:deepseek-v3-4l --topologies aggregated \
-        --concurrency 1 8 --num-requests 4 16 --input-len 256 --output-len 64 --logs "$OUT/logs" \
-        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8" \
-        --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l.json" \
+        --serve-flags "--device cuda --dtype bfloat16 --max-model-len 4096 --kv-cache-memory-gb 8 --quantization $quant" \
+        --commit "$COMMIT" --out "$OUT/serve_deepseek_v3_4l$([ $quant = fp8 ] && echo _fp8).json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;
     pd_ipc)
       $LIMIT python3 -m bench.pd_serving --model dummy:llama3-8b --topologies aggregated pd-ipc \

@@ -48,7 +48,7 @@ PREFILL_FROM = 1024  # tokens: a prefill (FLOP-bound) from here, a decode batch 
 def fp8_torch_quant(hidden, topk_ids, topk_weights, w13q, w13s, w2q, w2s):
     """``fp8_grouped_moe`` with both quantizations in torch ops (and SiLU-and-mul rounded
     to bf16 between): the FP8 path as first measured."""
-    tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     order, inverse, offsets = moe.sort_pairs(topk_ids, w13q.shape[0])
     xq, xs = quantize_rows_ref(hidden)
     token_of = order // top_k
@@ -59,8 +59,7 @@ def fp8_torch_quant(hidden, topk_ids, topk_weights, w13q, w13s, w2q, w2s):
     hq, hs = quantize_rows_ref(silu_and_mul(gate_up, row_scale=topk_weights.flatten()[order]))
     y = torch._scaled_grouped_mm(hq, w2q.transpose(1, 2), hs, w2s, offs=offsets,
                                  out_dtype=BF16, use_fast_accum=True)  # fmt: skip
-    per_pair = y.index_select(0, inverse)
-    return per_pair.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return moe.sum_pairs(y, inverse, top_k, hidden.dtype)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -317,8 +317,7 @@ def fused_moe(
     y = torch.empty(align.rows, width, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.flatten().float()[pair_of_row]  # each row's routing weight
     _KERNELS.get(down_cfg, grouped_gemm_build)(h, w2, align.block_expert, weights, y)
-    per_pair = y.index_select(0, align.row_of_pair)  # (token, k) order
-    return per_pair.view(tokens, top_k, width).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return sum_pairs(y, align.row_of_pair, top_k, hidden.dtype)  # via (token, k) order
 
 
 @functools.cache
@@ -347,6 +346,14 @@ def sort_pairs(
     return order, inverse, counts.cumsum(0, dtype=torch.int32)
 
 
+def sum_pairs(y: torch.Tensor, inverse: torch.Tensor, top_k: int, dtype: torch.dtype):
+    """Each token's sum of its pairs' rows ``y`` (in expert order; ``sort_pairs``'s
+    ``inverse`` takes them back to (token, k) order, so the sum is deterministic), in
+    float32, returned in ``dtype``: [T, H]."""
+    per_pair = y.index_select(0, inverse)
+    return per_pair.view(-1, top_k, y.shape[1]).sum(dim=1, dtype=torch.float32).to(dtype)
+
+
 def grouped_mm_moe(
     hidden: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -363,7 +370,7 @@ def grouped_mm_moe(
     host synchronisation. Writing the pairs back by index (``out[order] = y``) took 7.4 of
     a 16k-token prefill's 30 ms; the gather by the inverse order takes ~1
     (bench/results/moe_prefill_parts_h200.json)."""
-    tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     order, inverse, offsets = sort_pairs(topk_ids, w13.shape[0])
     token_of = order // top_k
     gate_up = torch._grouped_mm(hidden[token_of], w13.transpose(1, 2), offs=offsets)
@@ -374,8 +381,7 @@ def grouped_mm_moe(
         gate, up = gate_up.chunk(2, dim=-1)
         h = torch.nn.functional.silu(gate).mul_(up).mul_(weights[:, None].to(gate.dtype))
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
-    per_pair = y.index_select(0, inverse)  # (token, k) order: the sum below is deterministic
-    return per_pair.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return sum_pairs(y, inverse, top_k, hidden.dtype)
 
 
 def moe_experts_cuda(
@@ -437,7 +443,7 @@ def fp8_grouped_moe(
     scale is taken); both products are ``torch._scaled_grouped_mm`` with fast
     accumulation, out in bf16. ``fp8_moe_ref`` is its function in float32. No host
     synchronisation."""
-    tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     order, inverse, offsets = sort_pairs(topk_ids, w13.shape[0])
     xq, xs = quantize_rows(hidden.contiguous())
     token_of = order // top_k
@@ -450,8 +456,7 @@ def fp8_grouped_moe(
         hq, w2.transpose(1, 2), hs, w2_scale, offs=offsets, out_dtype=torch.bfloat16,
         use_fast_accum=True,
     )  # fmt: skip
-    per_pair = y.index_select(0, inverse)  # (token, k) order: the sum below is deterministic
-    return per_pair.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
+    return sum_pairs(y, inverse, top_k, hidden.dtype)
 
 
 def fp8_moe_ref(
