@@ -206,6 +206,30 @@ def test_under_overlap_a_step_with_drafts_is_priced_at_the_wait_measured_before_
     assert step.exposed_host_s == pytest.approx(0.0015) and step.host_s == 0.0
 
 
+def test_a_burst_of_long_waits_shorter_than_half_the_window_leaves_the_exposed_wait():
+    """A wave of new requests stalls the host for a few steps, drafts or not: those waits
+    are not what drafts expose. Twelve of them after twenty ordinary ones leave the
+    estimate where it was; a lasting change moves it once it holds half the window."""
+    from engine.spec.manager import EXPOSED_WINDOW
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, schedule="dynamic")
+    spec = SpecDecoding(config, lagged=True, clock=_Clock())
+    spec.graphs(8)
+    verify = StepPlan([ScheduledChunk(f"r{i}", [1, 1, 1], 0, [0], True, 2) for i in range(2)])
+    sampled = {"r0": 0, "r1": 0}
+
+    def steps(count: int, wait: float) -> None:
+        for _ in range(count):
+            spec.clock.now += 0.006 + wait
+            spec.observe(verify, StepResult(sampled, timing=StepTiming(0.006, 0.0, 0.0)))
+
+    steps(21, 0.0001)
+    steps(12, 0.008)
+    assert spec.exposed_host_s() == pytest.approx(0.0001)
+    steps(EXPOSED_WINDOW // 2 - 11, 0.008)
+    assert spec.exposed_host_s() == pytest.approx(0.008)
+
+
 def test_under_overlap_only_a_plan_made_while_a_step_runs_prices_the_total_from_the_last_curves():
     """Budget from step N-2 while step N-1 is in flight; once its outcome is back (a step
     with drafts never overlaps) the latest curves price it: lagged there, a lone request
