@@ -20,7 +20,10 @@ references.
 - ``mla_decode``: multi-head latent attention at decode over the paged latent cache
   (absorbed form, 64 heads per CTA, split-K with a combine), DeepSeek-V3's decode path.
 - ``moe``: the routed experts of an MoE layer as a grouped GEMM over the tokens each
-  expert received (gate/up with the SiLU fused, down with the routing weight fused).
+  expert received (gate/up with the SiLU fused, down with the routing weight fused), and
+  with FP8 expert weights (``fp8_grouped_moe``).
+- ``fp8``: rows as FP8 e4m3 with a float32 scale each (the FP8 experts' activations;
+  ``activation.silu_and_mul_fp8`` writes its output so).
 """
 
 from kernels._tl import (
