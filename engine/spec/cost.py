@@ -348,18 +348,28 @@ def _local_line(points: list[Point], tokens: int) -> float:
 
 
 class StepCostModel:
-    """Seconds one step takes: the forward of its tokens, then sampling, then drafting."""
+    """Seconds one step takes: the forward of its tokens, then sampling, then drafting.
+
+    ``drafted``: the forwards of steps with prefill that verified drafts, apart (they are
+    in ``forward`` too). Their rows of several tokens per sequence cost more than their
+    count says: on the H200 at 64 streams of the 8B shape, steps of a few hundred prompt
+    tokens and ~190 drafts took 1.4-1.8x what the line through all steps with prefill
+    priced them at, ~45 us a draft, and such drafts yielded 7.7 tok/ms where a decode step
+    yields 11.4."""
 
     def __init__(self) -> None:
         self.forward = ForwardTimeEstimator()
+        self.drafted = ForwardTimeEstimator()
         self.sampler = MedianEstimator()
         self.drafter = MedianEstimator()
 
     def add(
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
-        decode: bool = False,
+        decode: bool = False, drafted: bool = False,
     ) -> None:  # fmt: skip
         self.forward.add(tokens, forward_s, decode)
+        if drafted and not decode:
+            self.drafted.add(tokens, forward_s, False)
         self.sampler.add(sample_s)
         self.drafter.add(draft_s)
 

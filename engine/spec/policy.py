@@ -105,10 +105,10 @@ class VerifyPolicy(ABC):
 
     def observe(  # noqa: B027
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
-        decode: bool = False,
+        decode: bool = False, drafted: bool = False,
     ) -> None:  # fmt: skip
-        """A step of ``tokens`` tokens (``decode``: every chunk one token plus drafts) ran
-        in these times."""
+        """A step of ``tokens`` tokens (``decode``: every chunk one token plus drafts;
+        ``drafted``: it verified drafts) ran in these times."""
 
     def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         """The step time the policy expects for ``tokens`` tokens (None: no model)."""
@@ -144,9 +144,9 @@ class DynamicPolicy(VerifyPolicy):
 
     def observe(
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
-        decode: bool = False,
+        decode: bool = False, drafted: bool = False,
     ) -> None:  # fmt: skip
-        self.cost.add(tokens, forward_s, sample_s, draft_s, decode)
+        self.cost.add(tokens, forward_s, sample_s, draft_s, decode, drafted)
 
     def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         return self.cost.time(tokens, decode) if self.cost.ready else None
@@ -171,9 +171,15 @@ class DynamicPolicy(VerifyPolicy):
 
         def pricer(optimistic: bool) -> Callable[[int], float]:
             table = forward.times(step.base_tokens, drafts, decode, optimistic)
-            if not decode:  # drafts cost at least what they cost in a decode step
+            if not decode:  # drafts cost at least what they cost in a decode step, and
+                # what steps with prefill that verified drafts were measured at
                 rows = forward.times(step.base_yield, drafts, True, optimistic)
-                table = [table[0] + max(t - table[0], r - rows[0]) for t, r in zip(table, rows)]
+                dear = self.cost.drafted
+                with_drafts = (dear.times(step.base_tokens, drafts, False, optimistic)
+                               if dear.ready else table)  # fmt: skip
+                base = table[0]
+                table = [base] + [base + max(t - base, w - base, r - rows[0]) for t, w, r
+                                  in zip(table[1:], with_drafts[1:], rows[1:])]  # fmt: skip
             return lambda n: table[n] + fixed + (drafting if n else 0.0)
 
         if decode:

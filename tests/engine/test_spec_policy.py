@@ -858,3 +858,27 @@ def test_a_blocked_regime_still_probes_at_its_rate_while_the_drafter_rests():
         verified += bool(sum(lengths))
     assert 0 < verified <= 2 * n // PROBE_EVERY + 2
     assert proposing <= n // 8
+
+
+def test_drafts_in_a_prefill_step_cost_what_prefill_steps_with_drafts_were_measured_at():
+    """Steps with prefill that verified drafts took more than the line through all steps
+    with prefill says (rows of several tokens per sequence): once two sizes of them are
+    measured, a prefill step's drafts are priced at that, and fewer pay."""
+    policy = DynamicPolicy()
+    for _ in range(3):
+        policy.observe(64, 0.0057, 0.0, 0.0, decode=True)
+        policy.observe(128, 0.0070, 0.0, 0.0, decode=True)
+        policy.observe(256, 0.010, 0.0, 0.0)
+        policy.observe(1024, 0.030, 0.0, 0.0)  # eager: ~26 us a token
+    curves = [survival([0.8, 0.7])] * 64
+    step = VerifyStep(curves, curves, 300, 64, decode=False)
+    before = sum(policy.lengths(step))
+    assert before >= 64
+    assert not policy.cost.drafted.ready
+    for _ in range(3):  # 1.6x the line's price
+        policy.observe(400, 1.6 * 0.01375, 0.0, 0.0, drafted=True)
+        policy.observe(700, 1.6 * 0.02156, 0.0, 0.0, drafted=True)
+    assert policy.cost.drafted.ready
+    assert sum(policy.lengths(step)) < before // 2
+    policy.observe(600, 0.02, 0.0, 0.0, decode=True, drafted=True)  # a decode step: not those
+    assert len(policy.cost.drafted.points(False)) == 2
