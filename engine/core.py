@@ -107,9 +107,6 @@ class EngineCore:
         dtype = _DTYPES[config.dtype]
         config = config.replace(cpu_weights=resolve_cpu_weights(config))
         started, compiled = time.perf_counter(), compile_seconds()
-        if experts is not None and config.quantization != "none":
-            raise ValueError(f"--quantization {config.quantization}: not with expert "
-                             "parallelism yet (each rank keeps unquantized experts)")  # fmt: skip
         loaded = load_model(config.model, config.device, dtype, progress,
                             weights=config.cpu_weights, vision=config.vision,
                             quantization=config.quantization)  # fmt: skip

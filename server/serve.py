@@ -521,9 +521,6 @@ def pd_config(args: argparse.Namespace) -> PDConfig | None:
             raise SystemExit("ferry: --encode needs the disaggregated topology (the "
                              "--aggregated engine encodes its images itself)")  # fmt: skip
         return None
-    if args.quantization == "fp8" and (args.decode_ep > 1 or args.prefill_ep > 1):
-        raise SystemExit("ferry: --quantization fp8 is not yet served by expert-parallel "
-                         "groups (--decode-ep, --prefill-ep): leave one out")  # fmt: skip
     return PDConfig(
         num_prefill=args.prefill,
         num_decode=args.decode,

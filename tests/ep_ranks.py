@@ -96,7 +96,8 @@ def _lockstep_logits(model, chunks: list[list[int] | None]) -> Any:
 
 def engine_outputs(member, folder: str, requests: list[tuple[int, str, list[int], int]],
                    last_arrival: int, ep: dict | None = None,
-                   chunks: list[list[int] | None] | None = None) -> dict:  # fmt: skip
+                   chunks: list[list[int] | None] | None = None,
+                   quantization: str = "none") -> dict:  # fmt: skip
     """Greedy outputs of ``requests`` ((round, id, prompt, max_tokens): each added at that
     round) on this rank's engine, stepped in lockstep with the group until every rank is
     done after ``last_arrival`` (the last round any rank adds a request); first, with
@@ -109,7 +110,7 @@ def engine_outputs(member, folder: str, requests: list[tuple[int, str, list[int]
     from engine.sampling_params import SamplingParams
 
     group = _group(member, **(ep or {}))
-    config = EngineConfig(model=folder, num_threads=1,
+    config = EngineConfig(model=folder, num_threads=1, quantization=quantization,
                           cache=CacheConfig(num_blocks=96, block_size=4))  # fmt: skip
     core = EngineCore(config, experts=group.experts)
     logits = _lockstep_logits(core.runner.model, chunks) if chunks else None
@@ -167,19 +168,22 @@ def dispatch_roundtrip(member, tokens: list[int], slots_per_rank: int = 2, top_k
             "shape": list(combined.shape)}  # fmt: skip
 
 
-def weight_moves(member, model: str, redundant: int, seeds: list[int]) -> list[bool]:
+def weight_moves(member, model: str, redundant: int, seeds: list[int],
+                 quantization: str = "none") -> list[bool]:  # fmt: skip
     """For each seed, a placement from random counts applied to this rank's experts; after
-    each, whether every local slot holds exactly the weights of the expert it should."""
+    each, whether every local slot holds exactly the weights of the expert it should (all
+    of its tensors: FP8 experts' scales too)."""
     import numpy as np
+    import torch
 
     from engine.ep import eplb
     from engine.loader import load_model
     from engine.models.moe import MoE
 
     group = _group(member, redundant_experts=redundant)
-    full = load_model(model, progress=False).model
+    full = load_model(model, progress=False, quantization=quantization).model
     layers = [layer.mlp for layer in full.model.layers if isinstance(layer.mlp, MoE)]
-    weights = [(m.experts.w13.clone(), m.experts.w2.clone()) for m in layers]
+    weights = [[t.clone() for t in m.experts.stacked()] for m in layers]
     ep = group.experts
     ep.attach(full)
     results = []
@@ -188,9 +192,11 @@ def weight_moves(member, model: str, redundant: int, seeds: list[int]) -> list[b
         ep.apply(eplb.rebalance(load, ep.size, ep.num_slots))
         ok = True
         for index, layer in enumerate(ep.layers):
-            local = ep._local(ep.phy2log[index])
-            w13, w2 = weights[index]
-            ok &= bool((layer.w13 == w13[local]).all() and (layer.w2 == w2[local]).all())
+            local = torch.from_numpy(ep._local(ep.phy2log[index]))
+            for got, full_tensor in zip(layer.local.stacked(), weights[index], strict=True):
+                expected = full_tensor.index_select(0, local)  # bytes: FP8 has no == here
+                ok &= got.dtype == expected.dtype and torch.equal(
+                    got.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8))
         results.append(ok)
     group.close()
     return results

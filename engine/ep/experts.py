@@ -36,7 +36,7 @@ from engine.ep import eplb
 from engine.ep.comm import SUM, GroupComm
 from engine.ep.dispatcher import MoEDispatcher, make_dispatcher
 from engine.ep.load import ExpertLoad
-from engine.models.moe import MoE, moe_experts
+from engine.models.moe import MoE
 
 
 class RoutingTable:
@@ -62,17 +62,24 @@ class RoutingTable:
 
 
 class ExpertSlots(nn.Module):
-    """One MoE layer's experts on one rank: ``w13`` [slots_per_rank, 2I, H] and ``w2``
-    [slots_per_rank, H, I], local slot ``j`` being global slot ``rank * slots_per_rank +
-    j``. ``forward`` has ``Experts.forward``'s contract."""
+    """One MoE layer's experts on one rank: ``local``, the layer's own kind of experts
+    module (``Experts``, or ``Fp8Experts`` under ``--quantization fp8``) holding this
+    rank's ``slots_per_rank`` slots, local slot ``j`` being global slot ``rank *
+    slots_per_rank + j``. ``forward`` has ``Experts.forward``'s contract."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, layer: int,
-                 ep: ExpertParallel) -> None:  # fmt: skip
+    def __init__(self, local: nn.Module, layer: int, ep: ExpertParallel) -> None:
         super().__init__()
-        self.w13 = nn.Parameter(w13, requires_grad=False)
-        self.w2 = nn.Parameter(w2, requires_grad=False)
+        self.local = local
         self.layer = layer  # the MoE layer's index among the model's MoE layers
         self._ep = [ep]  # shared, kept out of this module's children
+
+    @property
+    def w13(self) -> torch.Tensor:
+        return self.local.w13
+
+    @property
+    def w2(self) -> torch.Tensor:
+        return self.local.w2
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -83,8 +90,7 @@ class ExpertSlots(nn.Module):
         rows = got.hidden.shape[0]
         ep.computed += rows
         if rows:
-            out = moe_experts(got.hidden, got.slots[:, None], got.weights[:, None],
-                              self.w13, self.w2)  # fmt: skip
+            out = self.local(got.hidden, got.slots[:, None], got.weights[:, None])
         else:
             out = got.hidden.new_empty(0, hidden.shape[1])
         return ep.dispatcher.combine(out, got.handle)
@@ -150,12 +156,12 @@ class ExpertParallel:
         for index, (_, moe) in enumerate(layers):
             local = self._local(self.phy2log[index])
             full = moe.experts
-            if np.array_equal(local, np.arange(self.num_experts)):  # all of them: no copy
-                w13, w2 = full.w13.data, full.w2.data
-            else:  # a layer at a time: the whole layer's experts go once it is replaced
+            if not np.array_equal(local, np.arange(self.num_experts)):  # else all: no copy
+                # a layer at a time: the whole layer's experts go once it is replaced
                 mine = torch.from_numpy(local).to(self.device)
-                w13, w2 = full.w13.index_select(0, mine), full.w2.index_select(0, mine)
-            moe.experts = ExpertSlots(w13, w2, index, self)
+                full = type(full).from_stacked(*(t.index_select(0, mine)
+                                                 for t in full.stacked()))  # fmt: skip
+            moe.experts = ExpertSlots(full, index, self)
             self.layers.append(moe.experts)
         self.tables = [RoutingTable(row, self.num_experts, self.device) for row in self.phy2log]
 
@@ -201,15 +207,15 @@ class ExpertParallel:
             old, new = self.phy2log[index], phy2log[index]
             if np.array_equal(old, new):
                 continue
-            w13, w2 = self._moved(layer, old, new)
-            layer.w13, layer.w2 = (nn.Parameter(w13, requires_grad=False),
-                                   nn.Parameter(w2, requires_grad=False))  # fmt: skip
+            layer.local = type(layer.local).from_stacked(*self._moved(layer, old, new))
             self.tables[index] = RoutingTable(new, self.num_experts, self.device)
         self.phy2log = phy2log.copy()
 
     def _moved(self, layer: ExpertSlots, old: np.ndarray,
-               new: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """This rank's weights under ``new``: local copies, and what the other ranks send."""
+               new: np.ndarray) -> list[torch.Tensor]:  # fmt: skip
+        """This rank's weights under ``new`` (``layer.local.stacked()``'s tensors): local
+        copies, and what the other ranks send, each slot's tensors moved as one row of
+        bytes."""
         spr, me = self.slots_per_rank, self.rank
         sources = [self._source(old, int(e), s // spr) for s, e in enumerate(new)]
         sends = [[sources[r * spr + j][1] for j in range(spr)
@@ -217,8 +223,8 @@ class ExpertParallel:
                  for r in range(self.size)]  # fmt: skip
         received = [sum(1 for j in range(spr) if sources[me * spr + j][0] == src)
                     if src != me else 0 for src in range(self.size)]  # fmt: skip
-        w13, w2 = layer.w13.data, layer.w2.data
-        flat = torch.cat((w13.flatten(1), w2.flatten(1)), dim=1)
+        tensors = layer.local.stacked()
+        flat = torch.cat([t.reshape(t.shape[0], -1).view(torch.uint8) for t in tensors], dim=1)
         order = torch.tensor([j for rows in sends for j in rows], dtype=torch.long,
                              device=flat.device)  # fmt: skip
         got = flat.new_empty(sum(received), flat.shape[1])
@@ -233,9 +239,13 @@ class ExpertParallel:
             else:
                 out[j] = got[starts[src] + taken[src]]
                 taken[src] += 1
-        split = w13[0].numel()
-        return (out[:, :split].reshape(spr, *w13.shape[1:]).contiguous(),
-                out[:, split:].reshape(spr, *w2.shape[1:]).contiguous())  # fmt: skip
+        moved, at = [], 0
+        for t in tensors:
+            width = t[0].numel() * t.element_size()
+            moved.append(out[:, at : at + width].contiguous().view(t.dtype)
+                         .reshape(spr, *t.shape[1:]))  # fmt: skip
+            at += width
+        return moved
 
     def _source(self, old: np.ndarray, expert: int, rank: int) -> tuple[int, int]:
         """(rank, local slot) where a slot of ``rank`` that is to hold ``expert`` gets it:

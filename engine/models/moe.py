@@ -33,7 +33,9 @@ e4m3 with a float32 scale per output channel (half the bytes; 97 % of DeepSeek-V
 weights are routed experts), made from the loaded ones (``quantize_experts``). On a
 Hopper GPU their products run in FP8 (``kernels.moe.fp8_grouped_moe``: the tokens and
 SiLU-and-mul's output quantized per row on the way in); elsewhere ``fp8_moe_ref``
-computes the same function in float32, the parity path of the tests.
+computes the same function in float32, the parity path of the tests. Both kinds give
+their weights as tensors stacked by expert (``stacked``) and are made back from them
+(``from_stacked``): what an expert-parallel rank keeps and moves, whatever their format.
 
 The router computes in float32 (``keeps_float32``: ``build_model`` leaves its weight and
 bias in float32 whatever the model's dtype), as transformers keeps DeepSeek's router.
@@ -183,6 +185,20 @@ class Experts(nn.Module):
                 topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
         return moe_experts(hidden, topk_ids, topk_weights, self.w13, self.w2)
 
+    def stacked(self) -> tuple[torch.Tensor, ...]:
+        """The weights, each stacked by expert on its first dim (what an expert-parallel
+        rank selects and moves, ``engine.ep.experts``)."""
+        return self.w13.data, self.w2.data
+
+    @classmethod
+    def from_stacked(cls, w13: torch.Tensor, w2: torch.Tensor) -> Experts:
+        """The module of ``stacked()``'s tensors (no copy)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.w13 = nn.Parameter(w13, requires_grad=False)
+        module.w2 = nn.Parameter(w2, requires_grad=False)
+        return module
+
 
 class Fp8Experts(nn.Module):
     """``Experts`` with FP8 weights (module docstring): buffers ``w13`` [E, 2I, H] and
@@ -212,6 +228,15 @@ class Fp8Experts(nn.Module):
                 q[rows], scale[rows] = quantize_rows_ref(weight[rows])
             parts[name] = q, scale
         return cls(*parts["w13"], *parts["w2"])
+
+    def stacked(self) -> tuple[torch.Tensor, ...]:
+        """As ``Experts.stacked``: every buffer, stacked by expert."""
+        return self.w13, self.w13_scale, self.w2, self.w2_scale
+
+    @classmethod
+    def from_stacked(cls, *tensors: torch.Tensor) -> Fp8Experts:
+        """The module of ``stacked()``'s tensors (no copy)."""
+        return cls(*tensors)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip

@@ -48,9 +48,12 @@ def test_pairs_reach_their_slots_rank_grouped_by_source_and_come_back_summed(tmp
     assert received == sum(tokens) * 3  # every pair went somewhere, once
 
 
-def test_expert_weights_follow_each_new_placement(tmp_path):
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_expert_weights_follow_each_new_placement(tmp_path, quantization):
+    """Every tensor of a slot moves with it: bf16/fp32 weights, or FP8 ones and their
+    scales."""
     results = run_group(2, "weight_moves", tmp_path, model="dummy:qwen3-moe-tiny",
-                        redundant=2, seeds=[1, 2, 3])  # fmt: skip
+                        redundant=2, seeds=[1, 2, 3], quantization=quantization)  # fmt: skip
     assert results == [[True, True, True]] * 2
 
 

@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOLERANCE = 1e-5
+FP8_TOLERANCE = 1e-2  # see the FP8 case's docstring
 # each rank's chunks of its one sequence, step by step (None: nothing to run)
 CHUNKS = [[10, 1, 1, None, 8], [3, None, 1, 1, 2], [None, None, 1, 1, 11], [None] * 4 + [1]]
 
@@ -57,9 +58,10 @@ def _requests(size: int) -> list[list[tuple[int, str, list[int], int]]]:
     return per_rank[:size]
 
 
-def _one_engine(folder: str, requests: list[tuple[int, str, list[int], int]]) -> dict:
+def _one_engine(folder: str, requests: list[tuple[int, str, list[int], int]],
+                quantization: str = "none") -> dict:  # fmt: skip
     """Greedy tokens and logprobs of every request on one engine, all at once."""
-    core = EngineCore(EngineConfig(model=folder, num_threads=1,
+    core = EngineCore(EngineConfig(model=folder, num_threads=1, quantization=quantization,
                                    cache=CacheConfig(num_blocks=96, block_size=4)))  # fmt: skip
     for _, rid, prompt, max_tokens in requests:
         sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
@@ -74,33 +76,42 @@ def _one_engine(folder: str, requests: list[tuple[int, str, list[int], int]]) ->
     return {"tokens": tokens, "logprobs": logprobs}
 
 
-def _run(folder: str, size: int, tmp_path, ep: dict | None = None) -> list[dict]:
+def _run(folder: str, size: int, tmp_path, ep: dict | None = None,
+         quantization: str = "none") -> list[dict]:  # fmt: skip
     requests = _requests(size)
     last = max(at for rank in requests for at, *_ in rank)
     per_rank = [{"requests": r, "chunks": _chunked(_tokens(20, 10 + i), CHUNKS[i][:5])}
                 for i, r in enumerate(requests)]  # fmt: skip
     return run_group(size, "engine_outputs", tmp_path, per_rank, folder=str(folder),
-                     last_arrival=last, ep=ep or {})  # fmt: skip
+                     last_arrival=last, ep=ep or {}, quantization=quantization)  # fmt: skip
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("kind", ["deepseek-v3", "qwen3-moe"])
-def test_ranks_give_the_logits_and_greedy_tokens_of_one_engine(kind, size, tiny_moe_dir,
-                                                               tmp_path):  # fmt: skip
+@pytest.mark.parametrize(("kind", "size", "quantization"), [
+    ("deepseek-v3", 2, "none"), ("deepseek-v3", 4, "none"), ("qwen3-moe", 2, "none"),
+    ("qwen3-moe", 4, "none"), ("deepseek-v3", 2, "fp8"),
+])  # fmt: skip
+def test_ranks_give_the_logits_and_greedy_tokens_of_one_engine(kind, size, quantization,
+                                                               tiny_moe_dir, tmp_path):  # fmt: skip
+    """With FP8 experts (the float32 function of the FP8 kernels, rows quantized alone) a
+    rank's experts see other batches than one engine's, whose float32 sums can differ in
+    the last bit and so, rarely, round an activation to the neighbouring e4m3 value: the
+    logits' bound is FP8_TOLERANCE there."""
     folder = tiny_moe_dir(kind)
-    results = _run(folder, size, tmp_path)
-    reference = load_model(str(folder), progress=False).model
+    results = _run(folder, size, tmp_path, quantization=quantization)
+    reference = load_model(str(folder), progress=False, quantization=quantization).model
+    bound = TOLERANCE if quantization == "none" else FP8_TOLERANCE
     for rank, result in enumerate(results):
         sizes = [n for n in CHUNKS[rank] if n]
         tokens = _tokens(20, 10 + rank)[: sum(sizes)]
         expected = forward_tokens(reference, tokens, sizes)
-        assert relative_error(result["logits"], expected) <= TOLERANCE, rank
-    alone = _one_engine(str(folder), [r for rank in _requests(size) for r in rank])
+        assert relative_error(result["logits"], expected) <= bound, rank
+    alone = _one_engine(str(folder), [r for rank in _requests(size) for r in rank],
+                        quantization)  # fmt: skip
     for rank, result in enumerate(results):
         for rid, tokens in result["tokens"].items():
             assert tokens == alone["tokens"][rid], (rank, rid)
             np.testing.assert_allclose(result["logprobs"][rid], alone["logprobs"][rid],
-                                       atol=TOLERANCE, rtol=0)  # fmt: skip
+                                       atol=bound, rtol=0)  # fmt: skip
     assert sorted(rid for r in results for rid in r["tokens"]) == sorted(alone["tokens"])
     assert all(r["idle_forwards"] > 0 for r in results[1:])  # ranks stepped with nothing
     assert len({r["steps"] for r in results}) == 1  # in lockstep
