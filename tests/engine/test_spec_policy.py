@@ -262,16 +262,23 @@ def test_dynamic_charges_drafting_only_to_steps_with_drafts():
     assert policy.lengths(VerifyStep([[0.5]], [[0.5]], 1, 1)) == [1]  # 1.5 in 14.1 ms
 
 
-def test_dynamic_verifies_drafts_in_a_prefill_step_only_where_they_beat_decode_steps():
-    """A step with a long prefill yields few tokens for its time whatever it verifies: its
-    drafts must add tokens faster than a decode step of the batch yields them, not merely
-    raise the step's own rate."""
+def _measured_with_prefill() -> DynamicPolicy:
+    """A dynamic policy that measured decode steps of 64 and 128 rows and eager steps with
+    prefill of 256 and 1,024 tokens (~26 us a token)."""
     policy = DynamicPolicy()
     for _ in range(3):
         policy.observe(64, 0.0057, 0.0, 0.0, decode=True)
         policy.observe(128, 0.0070, 0.0, 0.0, decode=True)
         policy.observe(256, 0.010, 0.0, 0.0)
-        policy.observe(1024, 0.030, 0.0, 0.0)  # eager: ~26 us a token
+        policy.observe(1024, 0.030, 0.0, 0.0)
+    return policy
+
+
+def test_dynamic_verifies_drafts_in_a_prefill_step_only_where_they_beat_decode_steps():
+    """A step with a long prefill yields few tokens for its time whatever it verifies: its
+    drafts must add tokens faster than a decode step of the batch yields them, not merely
+    raise the step's own rate."""
+    policy = _measured_with_prefill()
     curves = [survival([0.8, 0.7])] * 64
     step = VerifyStep(curves, curves, 664, 64, exposed_host_s=0.006, decode=False)
     # 128 drafts: +3.3 ms forward, +6 ms host, ~87 tokens: 9.4 a ms against 11 a ms of a
@@ -864,12 +871,7 @@ def test_drafts_in_a_prefill_step_cost_what_prefill_steps_with_drafts_were_measu
     """Steps with prefill that verified drafts took more than the line through all steps
     with prefill says (rows of several tokens per sequence): once two sizes of them are
     measured, a prefill step's drafts are priced at that, and fewer pay."""
-    policy = DynamicPolicy()
-    for _ in range(3):
-        policy.observe(64, 0.0057, 0.0, 0.0, decode=True)
-        policy.observe(128, 0.0070, 0.0, 0.0, decode=True)
-        policy.observe(256, 0.010, 0.0, 0.0)
-        policy.observe(1024, 0.030, 0.0, 0.0)  # eager: ~26 us a token
+    policy = _measured_with_prefill()
     curves = [survival([0.8, 0.7])] * 64
     step = VerifyStep(curves, curves, 300, 64, decode=False)
     before = sum(policy.lengths(step))
