@@ -251,7 +251,8 @@ def add_engine_flags(p: Any) -> None:
                             "own blocks), int8, or fp32 (default: auto, int4 for GGUF)")
     model.add_argument("--quantization", choices=["none", "fp8"],
                        help="fp8: a MoE model's routed experts in FP8 e4m3 with a scale per "
-                            "output channel, half their bytes (on CUDA: a Hopper GPU); other "
+                            "output channel, half their bytes (on CUDA: a Hopper GPU and "
+                            "--dtype bfloat16); other "
                             "layers stay in --dtype (default: none)")
     model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     model.add_argument("--seed", type=int, help="engine seed for unseeded requests (default: "
@@ -585,7 +586,8 @@ def run(args: argparse.Namespace) -> int:
         if engine.quantization != "none":
             from engine.loader import check_quantization, load_model_config
 
-            check_quantization(engine.quantization, load_model_config(args.model))
+            check_quantization(engine.quantization, load_model_config(args.model),
+                               engine.device, engine.dtype, gpu=False)  # fmt: skip
     except ValueError as exc:
         raise SystemExit(f"ferry serve: {exc}") from None
     shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None

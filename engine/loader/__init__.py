@@ -221,7 +221,7 @@ def load_model(
         model.load_weights(hf.iter_hf_weights(path, device, progress, keep))
         tokenizer = load_tokenizer(str(path))
     if quantization != "none":
-        check_quantization(quantization, config, device)
+        check_quantization(quantization, config, device, dtype)
         quantize_experts(model, quantization)
     config = _with_tokenizer_eos(config, tokenizer)
     model.config = config
@@ -237,10 +237,15 @@ def load_model(
 
 
 def check_quantization(
-    quantization: str, config: ModelConfig, device: torch.device | str | None = None
+    quantization: str,
+    config: ModelConfig,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    gpu: bool = True,
 ) -> None:
     """Raise ValueError, saying what to change, unless ``quantization`` serves this model
-    (on ``device``, when given)."""
+    (on ``device`` in ``dtype``, when given; ``gpu`` False: without asking the GPU what it
+    is, as the frontend does, which keeps CUDA out of its process)."""
     import torch
 
     from engine.models.moe import QUANTIZATIONS
@@ -252,10 +257,12 @@ def check_quantization(
     if config.moe is None:
         raise ValueError(f"--quantization {quantization} quantizes a MoE model's routed "
                          f"experts; {config.name} has none (leave it out)")  # fmt: skip
-    if device is None:
+    if device is None or torch.device(device).type != "cuda":
         return
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+    if dtype is not None and str(dtype).removeprefix("torch.") != "bfloat16":
+        raise ValueError(f"--quantization {quantization} on CUDA needs --dtype bfloat16 "
+                         f"(its FP8 products write bf16), not {dtype}")  # fmt: skip
+    if gpu and torch.cuda.get_device_capability(torch.device(device)) < (9, 0):
         raise ValueError(f"--quantization {quantization}: FP8 experts run on Hopper GPUs "
                          "(sm_90) or newer; leave it out on this GPU")  # fmt: skip
 

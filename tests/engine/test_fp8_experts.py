@@ -95,4 +95,8 @@ def test_quantization_is_refused_with_what_to_change():
         check_quantization("fp8", load_model_config("dummy:tiny"))
     with pytest.raises(ValueError, match="expected one of"):
         check_quantization("int3", load_model_config("dummy:deepseek-v3-tiny"))
-    check_quantization("fp8", load_model_config("dummy:deepseek-v3-tiny"), "cpu")
+    moe = load_model_config("dummy:deepseek-v3-tiny")
+    check_quantization("fp8", moe, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="--dtype bfloat16"):  # asked of no GPU
+        check_quantization("fp8", moe, "cuda", "float32", gpu=False)
+    check_quantization("fp8", moe, "cuda:0", torch.bfloat16, gpu=False)

@@ -186,6 +186,9 @@ def test_fp8_quantization_reaches_the_engine_and_is_refused_for_a_model_without_
     assert serve.engine_config(parse("--quantization", "fp8")).quantization == "fp8"
     with pytest.raises(SystemExit, match="has none"):  # a dense model: nothing to quantize
         serve.run(parse("--quantization", "fp8", "--model", "dummy:tiny"))
+    with pytest.raises(SystemExit, match="--dtype bfloat16"):  # float32 on CUDA
+        serve.run(parse("--quantization", "fp8", "--model", "dummy:deepseek-v3-tiny",
+                        "--device", "cuda"))
     assert serve.pd_config(parse("--quantization", "fp8", "--decode-ep", "2")).decode_ep == 2
     with pytest.raises(SystemExit):
         parse("--quantization", "int3")
