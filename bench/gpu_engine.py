@@ -149,8 +149,7 @@ class Bench:
         if self.moe_layers:
             experts = self.moe_layers[0].experts
             self.expert_params = experts.w13[0].numel() + experts.w2[0].numel()
-            self.expert_bytes = sum(b[0].numel() * b.element_size() for b in experts.buffers())
-            self.expert_bytes = self.expert_bytes or self.expert_params * embed.element_size()
+            self.expert_bytes = sum(t[0].numel() * t.element_size() for t in experts.stacked())
         active = routed - len(self.moe_layers) * self.expert_params * (
             cfg.moe.top_k if cfg.moe else 0
         )  # the routed experts a token does not run

@@ -193,8 +193,7 @@ class Experts(nn.Module):
     @classmethod
     def from_stacked(cls, w13: torch.Tensor, w2: torch.Tensor) -> Experts:
         """The module of ``stacked()``'s tensors (no copy)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
+        module = cls(0, 0, 0)
         module.w13 = nn.Parameter(w13, requires_grad=False)
         module.w2 = nn.Parameter(w2, requires_grad=False)
         return module
@@ -240,7 +239,7 @@ class Fp8Experts(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        weights = (self.w13, self.w13_scale, self.w2, self.w2_scale)
+        weights = self.stacked()
         if fp8_grouped_moe_supported(hidden, self.w13, self.w2):
             return fp8_grouped_moe(hidden, topk_ids, topk_weights, *weights)
         return fp8_moe_ref(hidden, topk_ids, topk_weights, *weights).to(hidden.dtype)
