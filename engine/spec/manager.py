@@ -24,7 +24,10 @@ plan does not wait either.
 
 Host time. Under overlap a step without drafts is planned while the one before runs, so
 the host's work per step (planning, launching, folding tokens back) is hidden; after a
-step that verifies drafts of a host drafter the device waits for it once. ``host_time``
+step that verifies drafts of a host drafter the device waits for it once (a drafter on
+the device leaves nothing waiting: no wait is priced, none measured; what looked like one
+was the host issuing an eager step before it took the outcome before, on the H200 at 16
+streams 8-9 ms a step, and priced it stopped drafts there). ``host_time``
 takes each step's host work from the engine and the policy counts its median against
 verifying any draft (without overlap, against every step: none is hidden). ``graphs``
 says up to how many rows the runner replays decode steps from CUDA graphs (the cost
@@ -146,8 +149,9 @@ class SpecDecoding:
         self._last_curve: dict[str, list[float]] = {}  # the curve at the previous plan
         self._planned: dict[str, list[float]] = {}  # survival of the drafts being verified
         self.host = MedianEstimator()  # host seconds per step: plan, launch, fold back
-        # lagged: the device's idle seconds before a step that verified drafts, measured
-        # (its wall interval less its device time); the host time stands in until then.
+        # lagged, a host drafter: the device's idle seconds before a step that verified
+        # drafts, measured (its wall interval less its device time); the host time stands
+        # in until then.
         # A long window: a wave of new requests stalls the host for ~10 steps, whose waits
         # are not the drafts' (at 16 streams on an H200 they lifted a 9-sample median from
         # 0.02 to 8.3 ms, and with no draft verified after it nothing brought it down)
@@ -373,7 +377,8 @@ class SpecDecoding:
                                 timing.draft_s, decode, verified > 0)  # fmt: skip
             sampling = sum(c.sample for c in plan.chunks)
             timed = interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)
-            if timed and verified and self.lagged and self._graph_replayed(plan):
+            if (timed and verified and self.lagged and not self.on_device
+                    and self._graph_replayed(plan)):  # fmt: skip
                 self.exposed.add(max(interval - measured, 0.0))
             if self.guard is not None and sampling:
                 yielded = len(result.sampled) + sum(len(t) for t in result.accepted.values())
@@ -414,10 +419,12 @@ class SpecDecoding:
 
     def exposed_host_s(self) -> float:
         """Under overlap, the seconds the device waits before a step that verifies drafts:
-        measured on such decode steps (wall interval less device time), the median host
-        time of a step until five are (a proxy: it counts host work that overlaps the
-        device's and misses what else the wait holds)."""
-        return self.exposed.value(self.host.value())
+        none for a drafter ``on_device`` (the step after is planned and launched before
+        the outcome, as after any step); for a host drafter measured on such decode steps
+        (wall interval less device time), the median host time of a step until five are
+        (a proxy: it counts host work that overlaps the device's and misses what else the
+        wait holds)."""
+        return 0.0 if self.on_device else self.exposed.value(self.host.value())
 
     def forget(self, request_id: str) -> None:
         """The request ended."""

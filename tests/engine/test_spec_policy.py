@@ -230,6 +230,28 @@ def test_a_burst_of_long_waits_shorter_than_half_the_window_leaves_the_exposed_w
     assert spec.exposed_host_s() == pytest.approx(0.008)
 
 
+def test_a_drafter_on_the_device_prices_no_wait_after_a_step_with_drafts():
+    """The step after one with drafts made on the device is planned and launched before
+    that one's outcome, as after any step: a wall interval longer than the device time
+    there is the host issuing the next (eager) step before it took this outcome, not a
+    wait the drafts caused. Priced, it stopped every draft at 16 streams on an H200."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, schedule="dynamic")
+    spec = SpecDecoding(config, lagged=True, clock=_Clock(), on_device=True)
+    spec.graphs(8)
+    verify = StepPlan([ScheduledChunk(f"r{i}", [1, 1, 1], 0, [0], True, 2) for i in range(2)])
+    for _ in range(40):
+        spec.clock.now += 0.015
+        spec.host_time(0.005, verify)
+        spec.observe(verify, StepResult({"r0": 0, "r1": 0}, timing=StepTiming(0.006, 0.0, 0.0)))
+    assert spec.exposed_host_s() == 0.0
+    host = SpecDecoding(config, lagged=True, clock=_Clock())
+    host.graphs(8)
+    for _ in range(40):
+        host.clock.now += 0.015
+        host.observe(verify, StepResult({"r0": 0, "r1": 0}, timing=StepTiming(0.006, 0.0, 0.0)))
+    assert host.exposed_host_s() == pytest.approx(0.009)
+
+
 def test_under_overlap_only_a_plan_made_while_a_step_runs_prices_the_total_from_the_last_curves():
     """Budget from step N-2 while step N-1 is in flight; once its outcome is back (a step
     with drafts never overlaps) the latest curves price it: lagged there, a lone request
