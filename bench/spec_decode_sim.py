@@ -1,38 +1,43 @@
 """Speculative decoding's scheduling against a synthetic H200: none, fixed k = 1..5, dynamic.
 
     PYTHONPATH=. .venv/bin/python -m bench.spec_decode_sim [--concurrency 1,16,64,128,256]
-        [--workloads decode,prefill-heavy] [--scale N] [--no-overlap]
+        [--workloads decode,prefill-heavy] [--scale N] [--seed N] [--no-overlap]
 
 No model and no device: the engine's own ``Scheduler``, ``KVCacheManager`` and
 ``SpecDecoding`` (verify policy, step-cost model, realized-gain guard) run as
 ``EngineCore.step`` drives them (``SimEngine``: plan and launch, collect the step in
-flight, leave a step without drafts running: overlap scheduling, ``lagged``), against a
-fake runner on a fake clock; ``host_time``, ``observe`` and ``idle`` are fed as the engine
-feeds them, and the cost model is told of the graphs as ``EngineCore`` tells it on CUDA.
-The runner is ``bench.spec_decode_gpu``'s: a model whose greedy token is always the same
-one, and one drafter for every arm proposing ``len(rates)`` drafts (the draft at position
-j kept with probability ``rates[j]`` given the ones before, drawn from a hash of the
-request, its length and j, so that every arm meets the same draws (the GPU benchmark's
-draws by position instead; here the simulated policy tests' thresholds were set on these:
-drawn by position, dynamic enters decode at 128 streams with 27 verify steps, 0.976 of
-none); it reports ``rates`` as its confidence; the drafts after the first wrong one are
-right again, as its are).
+flight, leave the new one running: overlap scheduling, ``lagged``), against a fake runner
+on a fake clock; ``host_time``, ``observe`` and ``idle`` are fed as the engine feeds them,
+and the cost model is told of the graphs as ``EngineCore`` tells it on CUDA. The runner
+is ``bench.spec_decode_gpu``'s: a model whose greedy token is always the same one, and
+one drafter for every arm that drafts on the device behind each step (as that benchmark's
+does, and the MTP layer): as deep as ``draft_depth`` of the drafts each request verified
+there, the draft at position j kept with probability ``rates[j]`` given the ones before,
+drawn from a hash of the request and the token's index in it (every arm meets the same
+draws; ``--seed`` draws others); it reports ``rates`` as its confidence; the drafts after
+the first wrong one are right again, as its are. The plan after a step verifies those
+drafts as placeholders, and the step's tokens are placed after the ones really kept.
 
-Its times (``H200Costs``) are fitted to ``bench/results/spec_decode_h200.json``
-(llama3-8b in bf16, rates 0.8 .. 0.4; the none arm's steps at each concurrency give the
-decode graphs' times, the fixed arms' the rest): a decode step's forward by CUDA graph
-bucket up to 256 rows (4.4 ms at 1 row, 11.2 at 256), eager ~35 us a row past them;
-steps with prefill eager, ~22 us a token (at least 9.6 ms), their kernels issued by the
-host one by one in ~8.5 ms while the device runs them; the host's work per step —
-planning and launching, folding tokens back, drafting, looking up and pricing the
-candidates — ~0.75 ms + ~45 us a request, hidden under overlap behind a step without
-drafts and exposed after one with drafts; every time jitters (2 % on the device, 10 % on
-the host, seeded). The none and fixed arms come within 15 % of the H200's tok/s but for
-prefill-heavy at 128-256 streams (up to 22 % fast). The workloads and the order of points
-are the GPU benchmark's (``decode``: 4 waves of the concurrency, 64-token prompts, 128
-tokens out; ``prefill-heavy``: twice the concurrency twice over, at least 32, 256-token
-prompts, 16 out; ``--scale``: as many times the requests), each arm keeping its
-``SpecDecoding`` across points as that run does, after the same warm-up.
+Its times (``H200Costs``) are fitted to the trace of
+``bench/results/spec_decode_h200.json`` (llama3-8b in bf16, rates 0.8 .. 0.4, 25k steps):
+a decode step's forward by CUDA graph bucket up to 256 rows (4.2 ms at 1 row, 10 at 256),
+eager past them at 3.45 ms + 33 us a row; a step with drafts adds 0.2 ms of verification
+and one that proposes 0.25 ms of drafting; steps with prefill eager, 2.45 ms + 23 us a
+token and, holding drafts, 1.3 ms + 35 us a draft more (at least 6.2 ms; that fit is
+within 2 % of the median of every range of drafts), their kernels issued by the host one
+by one in 6 ms while the device runs them, 4 ms + 24 us a draft more when they hold drafts
+(on the H200 the graph step before such a step took its outcome 3.5-9 ms late in every
+arm); the host's work per step (planning and launching, ~30 us more per request with
+drafts, folding tokens back, reading drafts back, looking up and pricing the candidates)
+hidden under overlap; every time jitters (2 % on the device, 10 % on the host, seeded).
+Over four seeds 52 of the 60 none and fixed points come within 10 % of the H200's tok/s;
+fixed-4 at 64-256 streams and fixed-3 at 256 are 13-25 % fast (those arms moved up to 25 %
+between two H200 sweeps), fixed-2..5 prefill-heavy at one stream 11-14 % slow. The
+workloads and the order of points are the GPU benchmark's (``decode``: 4 waves of the
+concurrency, 64-token prompts, 128 tokens out; ``prefill-heavy``: twice the concurrency
+twice over, at least 32, 256-token prompts, 16 out; ``--scale``: as many times the
+requests), each arm keeping its ``SpecDecoding`` across points as that run does, after the
+same warm-up.
 
 Beside tok/s each point counts the steps that sampled but verified no draft, by cause
 (``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
@@ -59,7 +64,7 @@ from engine.plan import StepPlan, StepResult, StepTiming
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.spec.base import Proposal
+from engine.spec.base import Proposal, draft_depth
 from engine.spec.manager import SpecDecoding
 
 RATES = (0.8, 0.7, 0.6, 0.5, 0.4)
@@ -72,24 +77,30 @@ class H200Costs:
     """Step times in seconds, fitted to the H200 run (module docstring)."""
 
     graph_s: tuple[tuple[int, float], ...] = (  # decode forward per graph bucket of rows
-        (1, 4.40e-3), (2, 4.42e-3), (4, 4.45e-3), (8, 4.55e-3), (16, 4.95e-3),
-        (32, 5.25e-3), (64, 5.65e-3), (128, 6.9e-3), (256, 11.15e-3),
+        (1, 4.23e-3), (2, 4.45e-3), (4, 4.84e-3), (8, 4.90e-3), (16, 5.02e-3),
+        (32, 5.52e-3), (64, 5.64e-3), (128, 6.70e-3), (256, 9.95e-3),
     )  # fmt: skip
-    eager_s: float = 3.0e-3  # a decode step past the graphs: this + per row
-    eager_row_s: float = 35e-6
-    eager_floor_s: float = 9.6e-3  # an eager forward's launch-bound least
-    prefill_token_s: float = 22e-6  # a step with prefill: eager_s + this per token
-    eager_issue_s: float = 8.5e-3  # host: issuing an eager step's kernels, one by one (the
-    # device runs them as they come, so the step cannot end before the last is issued)
+    eager_s: float = 3.45e-3  # a decode step past the graphs: this + per row
+    eager_row_s: float = 32.8e-6
+    mixed_s: float = 2.45e-3  # a step with prefill: this + per token + per draft
+    mixed_token_s: float = 23e-6
+    mixed_draft_s: float = 35e-6  # (a draft costs more there than a prompt's token)
+    mixed_drafts_s: float = 1.3e-3  # ... + this when it holds any draft
+    eager_floor_s: float = 6.2e-3  # an eager forward's launch-bound least
+    eager_issue_s: float = 6.0e-3  # host: issuing an eager step's kernels, one by one (the
+    # device runs them as they come, so the step cannot end before the last is issued) ...
+    issue_drafts_s: float = 4.0e-3  # ... + this for a step with prefill and drafts
+    issue_draft_s: float = 24e-6  # ... + this per draft in it
     sample_s: float = 0.05e-3  # sampling one token per request (device)
-    verify_s: float = 0.25e-3  # verification (device), per step with drafts
-    verify_draft_s: float = 2e-6  # ... and per draft
+    verify_s: float = 0.2e-3  # verification (device), per step with drafts
+    draft_s: float = 0.25e-3  # the drafter's chained passes behind a step that proposes
     plan_s: float = 0.3e-3  # host: planning and launching a step
-    plan_chunk_s: float = 10e-6
+    plan_chunk_s: float = 5e-6
+    verify_chunk_s: float = 30e-6  # ... and per chunk with drafts (rows, verification)
     update_s: float = 0.3e-3  # host: folding a step's tokens back
-    update_chunk_s: float = 10e-6
-    draft_s: float = 0.15e-3  # host: the drafter's proposals after a step
-    draft_request_s: float = 20e-6
+    update_chunk_s: float = 4e-6
+    collect_s: float = 0.05e-3  # host: reading the drafts back
+    collect_request_s: float = 2e-6
     lookup_s: float = 3e-6  # host: per candidate the scheduler looks up
     price_s: float = 2e-6  # host: per candidate the dynamic policy prices ...
     price_step_s: float = 15e-6  # ... and per step it does
@@ -105,25 +116,33 @@ class H200Costs:
         if self.replayed(plan):
             sizes = [b for b, _ in self.graph_s]
             return self.graph_s[bisect.bisect_left(sizes, rows)][1]
-        per = self.eager_row_s if plan.is_decode else self.prefill_token_s
-        return max(self.eager_floor_s, self.eager_s + per * rows)
+        if plan.is_decode:
+            return max(self.eager_floor_s, self.eager_s + self.eager_row_s * rows)
+        drafts = plan.num_draft_tokens
+        mixed = (self.mixed_s + self.mixed_token_s * (rows - drafts) + self.mixed_draft_s * drafts
+                 + (self.mixed_drafts_s if drafts else 0.0))  # fmt: skip
+        return max(self.eager_floor_s, mixed)
 
     def issue(self, plan: StepPlan) -> float:
         """Host time issuing the step's kernels: a graph replay's is in ``plan``."""
-        return 0.0 if self.replayed(plan) else self.eager_issue_s
+        if self.replayed(plan):
+            return 0.0
+        drafts = 0 if plan.is_decode else plan.num_draft_tokens
+        return self.eager_issue_s + (self.issue_drafts_s + self.issue_draft_s * drafts
+                                     if drafts else 0.0)  # fmt: skip
 
     def sample(self, plan: StepPlan) -> float:
-        drafts = plan.num_draft_tokens
-        return self.sample_s + (self.verify_s + self.verify_draft_s * drafts if drafts else 0.0)
+        return self.sample_s + (self.verify_s if plan.num_draft_tokens else 0.0)
 
     def plan(self, plan: StepPlan) -> float:
-        return self.plan_s + self.plan_chunk_s * len(plan.chunks)
+        verifying = sum(1 for c in plan.chunks if c.num_draft)
+        return self.plan_s + self.plan_chunk_s * len(plan.chunks) + self.verify_chunk_s * verifying
 
     def update(self, plan: StepPlan) -> float:
         return self.update_s + self.update_chunk_s * len(plan.chunks)
 
-    def draft(self, requests: int) -> float:
-        return self.draft_s + self.draft_request_s * requests if requests else 0.0
+    def collect(self, requests: int) -> float:
+        return self.collect_s + self.collect_request_s * requests if requests else 0.0
 
 
 class Clock:
@@ -187,6 +206,7 @@ class _Launched:
     plan: StepPlan
     forward_s: float
     sample_s: float
+    draft_s: float  # the drafter's, on the device behind the step
     done: float  # when the device finishes it
 
 
@@ -216,6 +236,7 @@ class SimEngine:
         self.device = 0.0  # when the device is done with what it was given
         self._inflight: _Launched | None = None
         self._tokens: dict[str, int] = {}  # the runner's count of each request's tokens
+        self._drafted: dict[str, list[int]] = {}  # the drafts made behind the last step
 
     @property
     def now(self) -> float:
@@ -247,26 +268,32 @@ class SimEngine:
         device = self.costs.device_noise
         forward = self._jitter(self.costs.forward(plan), device)
         sample = self._jitter(self.costs.sample(plan), device)
+        drafts = self.spec.enabled and plan.propose and any(c.sample for c in plan.chunks)
+        draft = self._jitter(self.costs.draft_s, device) if drafts else 0.0
         start = max(self.host, self.device)
         self._host(costs.issue(plan))
-        self.device = max(start + forward, self.host) + sample
-        return _Launched(plan, forward, sample, self.device)
+        forward = max(start + forward, self.host) - start  # as the device's clock has it
+        self.device = start + forward + sample + draft
+        return _Launched(plan, forward, sample, draft, self.device)
 
     def _finish(self, launched: _Launched) -> StepResult:
-        """Wait for the step, verify its drafts (the model always picks RIGHT), draw the
-        drafter's proposals."""
+        """Wait for the step, verify its drafts (the model always picks RIGHT; a draft
+        made on the device behind the step before is that step's proposal), draw the
+        drafter's proposals behind it: as deep as ``draft_depth`` of what each request
+        verified, as the device drafts."""
         self.host = max(self.host, launched.done)
         plan = launched.plan
         sampled, accepted, proposals = {}, {}, {}
         k = self.spec.max_draft
         for chunk in plan.chunks:
             rid = chunk.request_id
-            if rid not in self._tokens:
-                continue  # ended while the step ran
-            if not chunk.sample:
-                continue
+            if rid not in self._tokens or not chunk.sample:
+                continue  # ended while the step ran, or a prompt's chunk
+            drafted = self._drafted.pop(rid, ())
             kept = 0
-            for token in chunk.draft_token_ids:
+            for j, token in enumerate(chunk.draft_token_ids):
+                if token < 0:  # made on the device behind the step before
+                    token = drafted[j] if j < len(drafted) else WRONG
                 if token != RIGHT:
                     break
                 kept += 1
@@ -278,19 +305,21 @@ class SimEngine:
             if req is None or not plan.propose or not k:
                 continue
             done = self._tokens[rid] - req.num_prompt_tokens
-            room = min(len(self.rates), req.sampling.max_tokens - done - 1)
+            room = min(draft_depth(chunk.num_draft, k), req.sampling.max_tokens - done - 1)
             if room <= 0:
                 continue
+            start, key = self._tokens[rid], zlib.crc32(f"{self.seed}:{rid}".encode())
             tokens = [RIGHT] * room
-            key = (zlib.crc32(rid.encode()) << 32) ^ self._tokens[rid]
             for j in range(room):
-                if _uniform(key, j) >= self.rates[j]:
+                if _uniform(key, start + j) >= self.rates[j]:
                     tokens[j] = WRONG
                     break
-            proposals[rid] = Proposal(self._tokens[rid], tokens, list(self.rates[:room]))
-        draft = self._host(self.costs.draft(len(proposals)))
+            proposals[rid] = Proposal(start, tokens, list(self.rates[:room]))
+            self._drafted[rid] = tokens
+        self._host(self.costs.collect(len(proposals)))
         return StepResult(sampled, accepted=accepted, proposals=proposals,
-                          timing=StepTiming(launched.forward_s, launched.sample_s, draft))
+                          timing=StepTiming(launched.forward_s, launched.sample_s,
+                                            launched.draft_s))  # fmt: skip
 
     def _update(self, launched: _Launched, result: StepResult) -> list:
         self.clock.now = self.host
@@ -299,11 +328,12 @@ class SimEngine:
         for out in outputs:
             if out.finish_reason is not None:
                 self._tokens.pop(out.request_id, None)
+                self._drafted.pop(out.request_id, None)
         return outputs
 
     def step(self) -> list:
         """``EngineCore.step``: plan and launch, collect the step in flight, and leave the
-        new one running when it holds no drafts (overlap)."""
+        new one running (overlap: its drafts, if any, are made on the device)."""
         outputs = []
         previous, self._inflight = self._inflight, None
         launched = None
@@ -317,7 +347,7 @@ class SimEngine:
             outputs += self._update(previous, result)
             host_s += self.host - host
         if launched is not None:
-            if self.overlap and not launched.plan.num_draft_tokens:
+            if self.overlap and (not launched.plan.num_draft_tokens or self.spec.on_device):
                 self.scheduler.assume_sampled(launched.plan)
                 self._inflight = launched
             else:
@@ -408,7 +438,7 @@ def arm_specs(names: Sequence[str] | None = None, lagged: bool = True) -> dict[s
                                                   schedule="fixed")  # fmt: skip
     configs["dynamic"] = SpeculativeConfig(method="rates", num_speculative_tokens=MAX_K,
                                            schedule="dynamic")  # fmt: skip
-    return {name: Traced(config, 0, lagged=lagged, clock=Clock())
+    return {name: Traced(config, 0, lagged=lagged, clock=Clock(), on_device=True)
             for name, config in configs.items() if names is None or name in names}  # fmt: skip
 
 
@@ -420,6 +450,7 @@ def run(
     overlap: bool = True,
     scale: Callable[[int], int] | int = 1,
     arms_at: Callable[[int], Sequence[str]] | None = None,
+    seed: int = 0,
 ) -> list[dict]:
     """Every arm at every point, in the GPU benchmark's order (warm-up first), each arm on
     its own engine and ``SpecDecoding``, kept across points. ``scale(c)``: the workloads
@@ -427,7 +458,8 @@ def run(
     of short runs); ``arms_at(c)``: the arms that run at ``c`` (default: all)."""
     costs = costs or H200Costs()
     specs = arm_specs(arms, lagged=overlap)
-    engines = {name: SimEngine(spec, costs, overlap=overlap) for name, spec in specs.items()}
+    engines = {name: SimEngine(spec, costs, overlap=overlap, seed=seed)
+               for name, spec in specs.items()}  # fmt: skip
     for engine in engines.values():
         run_load(engine, [Job(64, 16)] * 4, 4, "warm-d")
         run_load(engine, [Job(256, 8)] * 2, 2, "warm-p")
@@ -458,9 +490,10 @@ def main() -> None:
     ap.add_argument("--workloads", default="decode,prefill-heavy")
     ap.add_argument("--no-overlap", action="store_true", help="plan each step after the last")
     ap.add_argument("--scale", type=int, default=1, help="this many times the requests")
+    ap.add_argument("--seed", type=int, default=0, help="the acceptance draws and the jitter")
     args = ap.parse_args()
     records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
-                  overlap=not args.no_overlap, scale=args.scale)  # fmt: skip
+                  overlap=not args.no_overlap, scale=args.scale, seed=args.seed)  # fmt: skip
     for rec in records:
         line = (f"{rec['workload']:>14} c={rec['concurrency']:<4} {rec['arm']:>8} "
                 f"{rec['tok_s']:8.0f} tok/s, steps {rec['steps']:4d} verifying "
