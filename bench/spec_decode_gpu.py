@@ -50,7 +50,8 @@ estimate's mean error, the steps that verified, the guard's blocked and probe st
 the steps that explored an unmeasured size. Every arm's steps are traced one line each
 (``*_trace.jsonl``: arm, point, tokens, drafts, tokens yielded, wall interval, device
 time, predicted time, the guard's cumulative blocked and probe counts, the median host
-time of a step and the wait the policy prices a step with drafts at). At the end the
+time of a step, the wait the policy prices a step with drafts at, and the host seconds
+spent planning the step and launching it: ``HostClock``). At the end the
 JSON, the PNG and the trace are packed into one ``.tar.gz`` beside the JSON (the trace
 lives only there).
 """
@@ -196,12 +197,45 @@ def use(core: EngineCore, spec: SpecDecoding, drafter: Drafter | None) -> Engine
     return core
 
 
+class HostClock:
+    """The host seconds the engine spent planning each step and launching it (queueing
+    its forward, sampling and drafting), by plan: ``core``'s scheduler and runner timed
+    in place. On the H200 the graph step before an eager step with drafts took its
+    outcome 3.5-9 ms late in every arm; these say in which of the two that time goes."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._spans: dict[int, list[float]] = {}
+        schedule, launch = core.scheduler.schedule, core.runner.launch
+
+        def timed_schedule() -> StepPlan:
+            start = time.perf_counter()
+            plan = schedule()
+            self._spans[id(plan)] = [time.perf_counter() - start, 0.0]
+            return plan
+
+        def timed_launch(plan: StepPlan):
+            start = time.perf_counter()
+            launched = launch(plan)
+            self._spans.setdefault(id(plan), [0.0, 0.0])[1] = time.perf_counter() - start
+            return launched
+
+        core.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
+        core.runner.launch = timed_launch  # type: ignore[method-assign]
+
+    def take(self, plan: StepPlan) -> tuple[float | None, float | None]:
+        """The plan's (schedule, launch) seconds, once (None: not timed)."""
+        spans = self._spans.pop(id(plan), None)
+        return (None, None) if spans is None else (round(spans[0], 6), round(spans[1], 6))
+
+
 class TracedSpecDecoding(SpecDecoding):
     """``SpecDecoding`` that keeps one line per step it observes (module docstring)."""
 
-    def __init__(self, *args, arm: str = "", **kwargs) -> None:
+    def __init__(self, *args, arm: str = "", host_clock: HostClock | None = None,
+                 **kwargs) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.arm = arm
+        self.host_clock = host_clock
         self.trace: list[list] = []
 
     def observe(self, plan: StepPlan, result: StepResult) -> None:
@@ -224,18 +258,20 @@ class TracedSpecDecoding(SpecDecoding):
             None if predicted is None else round(predicted, 6),
             guard.blocked if guard else 0, guard.probes if guard else 0,
             round(self.host.value(), 6), round(self.exposed_host_s(), 6),
+            *(self.host_clock.take(plan) if self.host_clock else (None, None)),
         ])  # fmt: skip
 
 
 TRACE_FIELDS = ["arm", "point", "tokens", "drafts", "yielded", "interval_s", "device_s",
                 "predicted_s", "guard_blocked", "guard_probes", "host_s",
-                "exposed_host_s"]  # fmt: skip
+                "exposed_host_s", "schedule_s", "launch_s"]  # fmt: skip
 
 
 def arm_cores(core: EngineCore, drafter: Drafter, method: str) -> dict[str, Callable]:
     """Arm name -> readies ``core`` for that arm, each arm its own ``SpecDecoding``."""
+    clock = HostClock(core)
     specs = {a.name: TracedSpecDecoding(a.speculative, 0, lagged=core.overlap, arm=a.name,
-                                        on_device=drafter.on_device)
+                                        on_device=drafter.on_device, host_clock=clock)
              for a in arms(method)}  # fmt: skip
     runs = {name: (lambda s=s: use(core, s, drafter)) for name, s in specs.items()}
     for name, spec in specs.items():
