@@ -19,25 +19,25 @@ the first wrong one are right again, as its are. The plan after a step verifies 
 drafts as placeholders, and the step's tokens are placed after the ones really kept.
 
 Its times (``H200Costs``) are fitted to the trace of
-``bench/results/spec_decode_h200.json`` (llama3-8b in bf16, rates 0.8 .. 0.4, 25k steps):
-a decode step's forward by CUDA graph bucket up to 256 rows (4.2 ms at 1 row, 10 at 256),
-eager past them at 3.45 ms + 33 us a row; a step with drafts adds 0.2 ms of verification
-and one that proposes 0.25 ms of drafting; steps with prefill eager, 2.45 ms + 23 us a
-token and, holding drafts, 1.3 ms + 35 us a draft more (at least 6.2 ms; that fit is
-within 2 % of the median of every range of drafts), their kernels issued by the host one
-by one in 6 ms while the device runs them, 4 ms + 24 us a draft more when they hold drafts
-(on the H200 the graph step before such a step took its outcome 3.5-9 ms late in every
-arm); the host's work per step (planning and launching, ~30 us more per request with
-drafts, folding tokens back, reading drafts back, looking up and pricing the candidates)
-hidden under overlap; every time jitters (2 % on the device, 10 % on the host, seeded).
-Over four seeds 52 of the 60 none and fixed points come within 10 % of the H200's tok/s;
-fixed-4 at 64-256 streams and fixed-3 at 256 are 13-25 % fast (those arms moved up to 25 %
-between two H200 sweeps), fixed-2..5 prefill-heavy at one stream 11-14 % slow. The
-workloads and the order of points are the GPU benchmark's (``decode``: 4 waves of the
-concurrency, 64-token prompts, 128 tokens out; ``prefill-heavy``: twice the concurrency
-twice over, at least 32, 256-token prompts, 16 out; ``--scale``: as many times the
-requests), each arm keeping its ``SpecDecoding`` across points as that run does, after the
-same warm-up.
+``bench/results/spec_decode_h200.json`` (llama3-8b in bf16, rates 0.8 .. 0.4, 25k steps)
+by ``bench.spec_decode_fit``: a decode step's forward by CUDA graph bucket up to 256 rows
+(4.2 ms at 1 row, 10 at 256), eager past them at 2.76 ms + 35 us a row; a step with drafts
+adds 0.23 ms of verification and one that proposes 0.25 ms of drafting; steps with prefill
+eager, 2.36 ms + 23 us a token and, holding drafts, 1.49 ms + 33 us a draft more (at least
+6.2 ms), their kernels issued by the host one by one in 6 ms while the device runs them, 8
+ms more when they hold drafts (on the H200 the graph step before such a step took its
+outcome that much later than the one before a step with prefill and no drafts, in every
+arm, whatever the drafts); the host's work per step (planning and launching, ~30 us more
+per request with drafts, folding tokens back, reading drafts back, looking up and pricing
+the candidates) hidden under overlap; every time jitters (2 % on the device, 10 % on the
+host, seeded). Over four seeds 51 of the 60 none and fixed points come within 10 % of the
+H200's tok/s; fixed-4 at 64-256 streams and fixed-3 at 256 are 13-27 % fast (those arms
+moved up to 25 % between two H200 sweeps), fixed-1..5 prefill-heavy at one stream 10-14 %
+slow. The workloads and the order of points are the GPU benchmark's (``decode``: 4 waves
+of the concurrency, 64-token prompts, 128 tokens out; ``prefill-heavy``: twice the
+concurrency twice over, at least 32, 256-token prompts, 16 out; ``--scale``: as many times
+the requests), each arm keeping its ``SpecDecoding`` across points as that run does, after
+the same warm-up.
 
 Beside tok/s each point counts the steps that sampled but verified no draft, by cause
 (``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
@@ -80,19 +80,19 @@ class H200Costs:
         (1, 4.23e-3), (2, 4.45e-3), (4, 4.84e-3), (8, 4.90e-3), (16, 5.02e-3),
         (32, 5.52e-3), (64, 5.64e-3), (128, 6.70e-3), (256, 9.95e-3),
     )  # fmt: skip
-    eager_s: float = 3.45e-3  # a decode step past the graphs: this + per row
-    eager_row_s: float = 32.8e-6
-    mixed_s: float = 2.45e-3  # a step with prefill: this + per token + per draft
+    eager_s: float = 2.76e-3  # a decode step past the graphs: this + per row
+    eager_row_s: float = 34.6e-6
+    mixed_s: float = 2.36e-3  # a step with prefill: this + per token + per draft
     mixed_token_s: float = 23e-6
-    mixed_draft_s: float = 35e-6  # (a draft costs more there than a prompt's token)
-    mixed_drafts_s: float = 1.3e-3  # ... + this when it holds any draft
+    mixed_draft_s: float = 32.5e-6  # (a draft costs more there than a prompt's token)
+    mixed_drafts_s: float = 1.49e-3  # ... + this when it holds any draft
     eager_floor_s: float = 6.2e-3  # an eager forward's launch-bound least
     eager_issue_s: float = 6.0e-3  # host: issuing an eager step's kernels, one by one (the
     # device runs them as they come, so the step cannot end before the last is issued) ...
-    issue_drafts_s: float = 4.0e-3  # ... + this for a step with prefill and drafts
-    issue_draft_s: float = 24e-6  # ... + this per draft in it
+    issue_drafts_s: float = 7.96e-3  # ... + this for a step with prefill and drafts
+    issue_draft_s: float = 0.0  # ... + this per draft in it (fitted: -22 us, none)
     sample_s: float = 0.05e-3  # sampling one token per request (device)
-    verify_s: float = 0.2e-3  # verification (device), per step with drafts
+    verify_s: float = 0.23e-3  # verification (device), per step with drafts
     draft_s: float = 0.25e-3  # the drafter's chained passes behind a step that proposes
     plan_s: float = 0.3e-3  # host: planning and launching a step
     plan_chunk_s: float = 5e-6

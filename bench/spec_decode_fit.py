@@ -1,0 +1,185 @@
+"""The simulated H200's step costs (``bench.spec_decode_sim.H200Costs``) fitted to a sweep's trace.
+
+    PYTHONPATH=. .venv/bin/python -m bench.spec_decode_fit \\
+        bench/results/traces/spec_decode_h200.tar.gz [--compare] [--seeds 4]
+
+Reads the step trace ``bench.spec_decode_gpu`` packs beside its JSON (one line per step of
+every arm) and fits, each by least squares reweighted toward the absolute error (a slow
+spell of the host's moves a median, not a mean):
+
+- ``graph_s``: decode steps a CUDA graph replays (every chunk one token plus its drafts:
+  they yield at least a token a row; at most 256 rows), without drafts: the median device
+  time per graph bucket, less ``sample_s``;
+- ``verify_s``: what a replayed decode step with drafts adds to one without in the same
+  bucket (the median over buckets), less the drafter's ``draft_s``;
+- ``eager_s`` + ``eager_row_s`` a row: decode steps past the graphs (all verify drafts),
+  less sampling, verification and drafting;
+- ``mixed_s`` + ``mixed_token_s`` a token + ``mixed_draft_s`` a draft + ``mixed_drafts_s``
+  when it holds any: steps with prefill, less sampling (and, with drafts, verification
+  and drafting);
+- ``issue_drafts_s`` + ``issue_draft_s`` a draft: how much later the replayed step before
+  a step with prefill and drafts takes its outcome (its wall interval less its device
+  time) than the one before a step with prefill and none, by the drafts of the step after
+  (the host issues that step, kernel by kernel, before it takes the outcome).
+
+``eager_issue_s``, ``eager_floor_s`` and the host's other costs are not in the trace and
+stay as ``H200Costs`` has them. ``--compare``: the sim with ``H200Costs`` over ``--seeds``
+seeds against the sweep's tok/s, per point and arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tarfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+GRAPH_ROWS = 256  # the largest decode step a CUDA graph replays in the sweep
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # its graph buckets
+
+
+@dataclass(frozen=True)
+class Step:
+    arm: str
+    workload: str
+    concurrency: int
+    tokens: int
+    drafts: int
+    yielded: int
+    interval_s: float | None
+    device_s: float
+
+    @property
+    def base(self) -> int:
+        """Tokens beside the drafts."""
+        return self.tokens - self.drafts
+
+    @property
+    def decode(self) -> bool:
+        """Every chunk one token plus its drafts: each row yields (a prompt's do not)."""
+        return self.yielded >= self.base
+
+    @property
+    def replayed(self) -> bool:
+        return self.decode and self.tokens <= GRAPH_ROWS
+
+
+def read_trace(archive: Path) -> tuple[list[Step], list[dict]]:
+    """The steps of an archive's trace (the warm-up left out) and its JSON's records."""
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+        trace = next(n for n in names if n.endswith("_trace.jsonl"))
+        lines = tar.extractfile(trace).read().decode().splitlines()  # type: ignore[union-attr]
+        result = next((n for n in names if n.endswith(".json")), None)
+        records = (json.loads(tar.extractfile(result).read())["records"]  # type: ignore[union-attr]
+                   if result else [])  # fmt: skip
+    header = json.loads(lines[0])
+    steps = []
+    for line in lines[1:]:
+        row = dict(zip(header, json.loads(line)))
+        if row["point"] == "warm":
+            continue
+        workload, c, _ = row["point"].rsplit("-", 2)
+        steps.append(Step(row["arm"], workload, int(c), row["tokens"], row["drafts"],
+                          row["yielded"], row["interval_s"], row["device_s"]))  # fmt: skip
+    return steps, records
+
+
+def robust_fit(x: np.ndarray, y: np.ndarray, rounds: int = 30) -> np.ndarray:
+    """Coefficients of ``y ~ x`` (columns), reweighted toward the absolute error."""
+    weights = np.ones(len(y))
+    coef = np.zeros(x.shape[1])
+    for _ in range(rounds):
+        coef = np.linalg.lstsq(x * weights[:, None], y * weights, rcond=None)[0]
+        weights = 1.0 / np.sqrt(np.maximum(np.abs(y - x @ coef), 1e-4))
+    return coef
+
+
+def _bucket(rows: int) -> int:
+    return next(b for b in BUCKETS if b >= rows)
+
+
+def fit(steps: list[Step], sample_s: float, draft_s: float) -> dict[str, object]:
+    """The fitted ``H200Costs`` fields (module docstring), in seconds."""
+    plain: dict[int, list[float]] = {}
+    drafted: dict[int, list[float]] = {}
+    for s in steps:
+        if s.replayed:
+            (drafted if s.drafts else plain).setdefault(_bucket(s.tokens), []).append(s.device_s)
+    graph = {b: statistics.median(v) for b, v in plain.items() if len(v) >= 3}
+    added = [statistics.median(drafted[b]) - graph[b] for b in graph
+             if len(drafted.get(b, ())) >= 3]  # fmt: skip
+    verify_s = statistics.median(added) - draft_s
+    eager = [s for s in steps if s.decode and not s.replayed]
+    e0, e1 = robust_fit(np.array([[1.0, s.tokens] for s in eager]),
+                        np.array([s.device_s for s in eager]))  # fmt: skip
+    mixed = [s for s in steps if not s.decode]
+    m = robust_fit(np.array([[1.0, s.base, s.drafts, s.drafts > 0] for s in mixed], float),
+                   np.array([s.device_s for s in mixed]))  # fmt: skip
+    late, early = [], []  # (drafts after, how late) for a replayed step before a prefill
+    for before, after in zip(steps, steps[1:]):
+        same = (before.arm, before.workload, before.concurrency) == (
+            after.arm, after.workload, after.concurrency)  # fmt: skip
+        if same and before.replayed and not after.decode and before.interval_s is not None:
+            (late if after.drafts else early).append(
+                (after.drafts, before.interval_s - before.device_s))
+    i0, i1 = robust_fit(np.array([[1.0, d] for d, _ in late]),
+                        np.array([x for _, x in late]))  # fmt: skip
+    on_time = statistics.median(x for _, x in early)
+    return {
+        "graph_s": tuple((b, round(t - sample_s, 6)) for b, t in sorted(graph.items())),
+        "verify_s": round(verify_s, 6),
+        "eager_s": round(e0 - sample_s - verify_s - draft_s, 6),
+        "eager_row_s": round(e1, 8),
+        "mixed_s": round(m[0] - sample_s, 6),
+        "mixed_token_s": round(m[1], 8),
+        "mixed_draft_s": round(m[2], 8),
+        "mixed_drafts_s": round(m[3] - verify_s - draft_s, 6),
+        "issue_drafts_s": round(i0 - on_time, 6),
+        "issue_draft_s": round(i1, 8),
+    }
+
+
+def compare(records: list[dict], seeds: int) -> list[tuple[str, int, str, float]]:
+    """(workload, concurrency, arm, the sim's mean tok/s over the sweep's) per record."""
+    from bench.spec_decode_sim import run
+
+    sims: dict[tuple[str, int, str], list[float]] = {}
+    for seed in range(seeds):
+        for r in run(seed=seed):
+            sims.setdefault((r["workload"], r["concurrency"], r["arm"]), []).append(r["tok_s"])
+    return [(r["workload"], r["concurrency"], r["arm"],
+             statistics.mean(sims[key]) / r["tok_s"])
+            for r in records if (key := (r["workload"], r["concurrency"], r["arm"])) in sims
+            and r.get("tok_s")]  # fmt: skip
+
+
+def main() -> None:
+    from bench.spec_decode_sim import H200Costs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("archive", type=Path)
+    ap.add_argument("--compare", action="store_true", help="the sim against the sweep")
+    ap.add_argument("--seeds", type=int, default=4)
+    args = ap.parse_args()
+    steps, records = read_trace(args.archive)
+    costs = H200Costs()
+    fitted = fit(steps, costs.sample_s, costs.draft_s)
+    print(f"{len(steps)} steps of {args.archive}; fitted, and as H200Costs has it:")
+    for f in fields(H200Costs):
+        if f.name in fitted:
+            print(f"  {f.name} = {fitted[f.name]}  ({getattr(costs, f.name)})")
+    if args.compare:
+        ratios = compare(records, args.seeds)
+        close = sum(abs(r - 1) <= 0.10 for *_, r in ratios)
+        print(f"sim / sweep tok/s over {args.seeds} seeds, {close} of {len(ratios)} within 10 %:")
+        for workload, c, arm, ratio in ratios:
+            print(f"  {workload:>14} c={c:<4} {arm:>8} {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

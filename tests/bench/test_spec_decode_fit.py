@@ -1,0 +1,43 @@
+"""``bench.spec_decode_fit`` on the stored H200 sweep: the simulated H200's step costs are
+what that trace fits, so a change to either is seen (refit with ``python -m
+bench.spec_decode_fit <archive>`` and carry the figures into ``H200Costs``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.spec_decode_fit import fit, read_trace
+from bench.spec_decode_sim import H200Costs
+
+ARCHIVE = Path(__file__).resolve().parents[2] / "bench/results/traces/spec_decode_h200.tar.gz"
+
+
+@pytest.fixture(scope="module")
+def fitted() -> dict[str, object]:
+    steps, records = read_trace(ARCHIVE)
+    assert len(steps) > 20_000 and records  # every arm's steps, the warm-up left out
+    costs = H200Costs()
+    return fit(steps, costs.sample_s, costs.draft_s)
+
+
+def test_the_simulated_h200_decode_graphs_are_the_stored_sweeps_medians(fitted):
+    assert dict(fitted["graph_s"]) == pytest.approx(dict(H200Costs().graph_s), rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["eager_s", "eager_row_s", "mixed_s", "mixed_token_s",
+                                  "mixed_draft_s", "mixed_drafts_s", "issue_drafts_s",
+                                  "verify_s"])  # fmt: skip
+def test_the_simulated_h200_step_costs_are_the_stored_sweeps_fit(fitted, name):
+    assert fitted[name] == pytest.approx(getattr(H200Costs(), name), rel=0.02, abs=2e-6)
+
+
+def test_a_step_with_prefill_and_drafts_delays_the_outcome_before_it_whatever_its_drafts(
+    fitted,
+):
+    """On the H200 the graph step before such a step took its outcome ~8 ms late, in
+    every arm; the drafts of the step after barely move it (the sim takes none)."""
+    assert 0.005 < fitted["issue_drafts_s"] < 0.012
+    assert abs(fitted["issue_draft_s"]) < 40e-6
+    assert H200Costs().issue_draft_s == 0.0
