@@ -27,7 +27,8 @@ before its outcome (``--host-drafter``: on the host after each step, and that st
 
 Before the sweep, ``sync_points`` serves 32 prefill-heavy requests at 16 streams with
 fixed k = 3 under CUDA's sync debug mode and records where the host waited for the
-device (``sync_points`` in the JSON).
+device (``sync_points`` in the JSON) and what the pinned host allocator did meanwhile
+(``pinned_allocations``).
 
 One ``EngineCore`` (weights, KV cache and CUDA graphs once) runs every arm: an arm is its
 own ``SpecDecoding`` (its policy, cost model and realized-gain guard kept across points,
@@ -444,9 +445,11 @@ def main() -> None:
         run_load(cores[name](), [Job(_random_prompt(warm, args.input_len), 16)] * 4, 4, "warm")
         run_load(cores[name](), [Job(_random_prompt(warm, args.prefill_len), 8)] * 2, 2, "warm")
     sync_jobs = loads["prefill-heavy"](16)[:32]  # steps with prefill and drafts among them
-    result["sync_points"] = sync_points(cores["fixed-3"], sync_jobs, 16)
+    result["sync_points"], result["pinned_allocations"] = sync_points(cores["fixed-3"],
+                                                                      sync_jobs, 16)
     log(f"host waits for the device (fixed-3, prefill-heavy, 16 streams): "
-        f"{result['sync_points'] or 'none recorded'}")  # fmt: skip
+        f"{result['sync_points'] or 'none recorded'}; pinned host allocator: "
+        f"{result['pinned_allocations'] or 'nothing recorded'}")  # fmt: skip
     heap.freeze_startup()  # as a worker does once it is up: no full collection walks it all
     result["warm_s"] = time.perf_counter() - start
     log(f"warm at {result['warm_s']:.1f} s")
@@ -466,19 +469,22 @@ def main() -> None:
 
 
 def sync_points(run: Callable[[], EngineCore], jobs: list[Job], concurrency: int,
-                limit: int = 20) -> list[dict]:  # fmt: skip
+                limit: int = 20) -> tuple[list[dict], dict[str, float]]:  # fmt: skip
     """Where the host waited for the device while ``run()``'s engine served ``jobs``
     (CUDA's sync debug mode: a warning, with its stack, at every call that synchronises),
-    as the innermost engine or kernels frame of each and how many times, most first; on
-    the CPU nothing is recorded. Collecting a step waits by design (``finish``); any other
-    place stalls the next step's launch: on the H200 the graph step before an eager step
-    with drafts took its outcome 3.5-9 ms late in every arm."""
+    as the innermost engine or kernels frame of each and how many times, most first; and
+    what the pinned host allocator did meanwhile (``torch.cuda.host_memory_stats``' counts
+    and times, as differences: a new pinned block is a slow driver call). On the CPU
+    nothing is recorded. Collecting a step waits by design (``finish``); anything else
+    stalls the next step's launch: on the H200 the graph step before an eager step with
+    drafts took its outcome ~8 ms late in every arm, whatever the drafts, and before an
+    eager step without drafts on time."""
     import traceback
     import warnings
     from collections import Counter
 
     if not torch.cuda.is_available():
-        return []
+        return [], {}
     places: Counter[str] = Counter()
 
     def ours(filename: str) -> str | None:
@@ -495,6 +501,7 @@ def sync_points(run: Callable[[], EngineCore], jobs: list[Job], concurrency: int
         places[f"{filename}:{lineno}"] += 1
 
     core = run()
+    before = torch.cuda.host_memory_stats()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         shown, warnings.showwarning = warnings.showwarning, record
@@ -504,7 +511,10 @@ def sync_points(run: Callable[[], EngineCore], jobs: list[Job], concurrency: int
         finally:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = shown
-    return [{"where": where, "count": n} for where, n in places.most_common(limit)]
+    after = torch.cuda.host_memory_stats()
+    pinned = {key: after[key] - before.get(key, 0) for key in sorted(after)
+              if isinstance(after[key], int | float) and ("num_" in key or "time" in key)}
+    return [{"where": where, "count": n} for where, n in places.most_common(limit)], pinned
 
 
 def pack(out: Path, trace: list[list]) -> Path:
