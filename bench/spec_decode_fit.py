@@ -38,8 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-GRAPH_ROWS = 256  # the largest decode step a CUDA graph replays in the sweep
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # its graph buckets
+from engine.cuda_graphs import DEFAULT_BUCKETS
+from engine.spec.cost import graph_size
+
+GRAPH_ROWS = DEFAULT_BUCKETS[-1]  # the largest decode step a CUDA graph replays in the sweep
 
 
 @dataclass(frozen=True)
@@ -99,17 +101,13 @@ def robust_fit(x: np.ndarray, y: np.ndarray, rounds: int = 30) -> np.ndarray:
     return coef
 
 
-def _bucket(rows: int) -> int:
-    return next(b for b in BUCKETS if b >= rows)
-
-
 def fit(steps: list[Step], sample_s: float, draft_s: float) -> dict[str, object]:
     """The fitted ``H200Costs`` fields (module docstring), in seconds."""
     plain: dict[int, list[float]] = {}
     drafted: dict[int, list[float]] = {}
     for s in steps:
         if s.replayed:
-            (drafted if s.drafts else plain).setdefault(_bucket(s.tokens), []).append(s.device_s)
+            (drafted if s.drafts else plain).setdefault(graph_size(s.tokens), []).append(s.device_s)
     graph = {b: statistics.median(v) for b, v in plain.items() if len(v) >= 3}
     added = [statistics.median(drafted[b]) - graph[b] for b in graph
              if len(drafted.get(b, ())) >= 3]  # fmt: skip
