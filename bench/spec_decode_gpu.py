@@ -28,7 +28,9 @@ before its outcome (``--host-drafter``: on the host after each step, and that st
 Before the sweep, ``sync_points`` serves 32 prefill-heavy requests at 16 streams with
 fixed k = 3 under CUDA's sync debug mode and records where the host waited for the
 device (``sync_points`` in the JSON) and what the pinned host allocator did meanwhile
-(``pinned_allocations``).
+(``pinned_allocations``); the same load again under the profiler gives the CUDA runtime
+calls the host made, the longest with where (``runtime_calls``). ``--diagnose-only``
+stops there.
 
 One ``EngineCore`` (weights, KV cache and CUDA graphs once) runs every arm: an arm is its
 own ``SpecDecoding`` (its policy, cost model and realized-gain guard kept across points,
@@ -398,6 +400,8 @@ def main() -> None:
     ap.add_argument("--host-drafter", action="store_true",
                     help="draft on the host after each step (the step after a verify step "
                          "then waits for its outcome) instead of on the device")
+    ap.add_argument("--diagnose-only", action="store_true",
+                    help="stop after the checks, the sync points and the runtime calls")
     ap.add_argument("--out", type=Path, default=Path("bench/results/spec_decode_h200.json"))
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
@@ -450,6 +454,16 @@ def main() -> None:
     log(f"host waits for the device (fixed-3, prefill-heavy, 16 streams): "
         f"{result['sync_points'] or 'none recorded'}; pinned host allocator: "
         f"{result['pinned_allocations'] or 'nothing recorded'}")  # fmt: skip
+    try:
+        result["runtime_calls"] = runtime_calls(cores["fixed-3"], sync_jobs, 16)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis; the timing still runs
+        result["runtime_calls"] = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"CUDA runtime calls (same load, profiled): {result['runtime_calls'] or 'none'}")
+    if args.diagnose_only:
+        save()
+        archive = pack(args.out, cores["fixed-3"].spec.trace)  # type: ignore[attr-defined]
+        log(f"wrote {args.out} and {archive} (diagnosis only)")
+        return
     heap.freeze_startup()  # as a worker does once it is up: no full collection walks it all
     result["warm_s"] = time.perf_counter() - start
     log(f"warm at {result['warm_s']:.1f} s")
@@ -515,6 +529,47 @@ def sync_points(run: Callable[[], EngineCore], jobs: list[Job], concurrency: int
     pinned = {key: after[key] - before.get(key, 0) for key in sorted(after)
               if isinstance(after[key], int | float) and ("num_" in key or "time" in key)}
     return [{"where": where, "count": n} for where, n in places.most_common(limit)], pinned
+
+
+def runtime_calls(run: Callable[[], EngineCore], jobs: list[Job], concurrency: int,
+                  limit: int = 12) -> dict[str, list[dict]]:  # fmt: skip
+    """The CUDA runtime calls the host made while ``run()``'s engine served ``jobs``, under
+    the profiler: per call, how many and their host milliseconds in all and at most
+    (``calls``); and the ``limit`` longest single calls, each with the three innermost
+    engine or kernels frames of the operator that made it (``longest``). A call that waits for the
+    device, or a driver allocation, shows as a long one; a launch-bound step as many
+    short ``cudaLaunchKernel``. Empty on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return {}
+    core = run()
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=True) as prof:
+        run_load(core, jobs, concurrency, "profiled")
+    events = [e for e in prof.events() if e.name.startswith("cu") and e.cpu_time_total > 0]
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        entry = totals.setdefault(e.name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += e.cpu_time_total / 1e3
+        entry[2] = max(entry[2], e.cpu_time_total / 1e3)
+    calls = [{"call": name, "count": n, "total_ms": round(total, 2), "max_ms": round(most, 3)}
+             for name, (n, total, most) in sorted(totals.items(), key=lambda kv: -kv[1][1])]
+
+    def frame(event, depth: int = 3) -> str:  # with_stack: each Python call is an event
+        frames = []
+        while (event := event.cpu_parent) is not None and len(frames) < depth:
+            name = event.name
+            for root in ("engine/", "kernels/"):
+                if (i := name.find(root)) >= 0 and "(" in name:
+                    frames.append(name[i:])
+        return " < ".join(frames) or "?"
+
+    longest = sorted(events, key=lambda e: -e.cpu_time_total)[:limit]
+    return {"calls": calls[:limit],
+            "longest": [{"call": e.name, "ms": round(e.cpu_time_total / 1e3, 3),
+                         "from": frame(e)} for e in longest]}  # fmt: skip
 
 
 def pack(out: Path, trace: list[list]) -> Path:
