@@ -19,7 +19,8 @@ Workers do not come here: the control plane has a listener of its own
 access-log line (``server.access``).
 
 A non-streaming request whose client disconnects is cancelled, which aborts its engine
-requests; a streaming one is cancelled by Starlette when the client goes away.
+requests; a streaming one is cancelled by Starlette when the client goes away. A client
+that leaves before its body has arrived gets the same 499 (no one reads it), not a 500.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.client import ServingClient
@@ -90,6 +92,7 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
                                              config.response_store_ttl_s)  # fmt: skip
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _on_disconnected)
+    app.add_exception_handler(ClientDisconnect, _on_disconnected)  # gone while sending its body
     _add_routes(app)
     openapi.install(app, REQUEST_BODIES)
     if config.api_key:
@@ -199,7 +202,7 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready."""
 
 
-async def _on_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+async def _on_disconnected(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 

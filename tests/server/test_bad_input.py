@@ -186,3 +186,28 @@ def test_openapi_describes_the_request_bodies_and_leaves_internal_routes_out(ser
     assert components["CompletionRequest"]["required"] == ["prompt"]
     assert components["ChatCompletionRequest"]["required"] == ["messages"]
     assert "ChatMessage" in components  # nested models are there too
+
+
+def requests_counted(server, status: int) -> float:
+    """``ferry_requests_total`` for chat completions answered with ``status``."""
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    prefix = f'ferry_requests_total{{endpoint="{CHAT}",status="{status}"}} '
+    return sum(float(line.removeprefix(prefix)) for line in metrics.splitlines()
+               if line.startswith(prefix))  # fmt: skip
+
+
+def test_a_client_gone_before_its_body_ends_is_no_server_error(server, http):
+    errors_before = requests_counted(server, 500)
+    gone_before = requests_counted(server, 499)
+    url = urlsplit(server.base_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(request_head(server, CHAT, "Content-Length: 1000") + b'{"messages": [')
+        time.sleep(0.5)  # the server is reading the body when the client leaves
+    deadline = time.monotonic() + 10
+    while requests_counted(server, 499) == gone_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert requests_counted(server, 499) == gone_before + 1
+    assert requests_counted(server, 500) == errors_before
+    assert "ClientDisconnect" not in server.log_path.read_text(errors="replace")
+    good = http.post(CHAT, json={"messages": HELLO, "max_tokens": 1})
+    assert good.status_code == 200, good.text
