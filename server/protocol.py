@@ -289,8 +289,14 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     @property
+    def max_tokens_param(self) -> str:
+        """The field that sets the output length: ``max_completion_tokens`` when given
+        (whatever its value), else the older ``max_tokens``."""
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+    @property
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return getattr(self, self.max_tokens_param)
 
     @property
     def num_logprobs(self) -> int | None:

@@ -205,7 +205,8 @@ class Serving:
             except ImageError as exc:
                 raise invalid_request(f"Cannot place the images: {exc}.", "messages") from None
         self._check_token_ids(prompt, "messages")
-        max_tokens = self._max_tokens(len(prompt), req.max_new_tokens, "messages")
+        max_tokens = self._max_tokens(len(prompt), req.max_new_tokens, "messages",
+                                      req.max_tokens_param)  # fmt: skip
         inputs = [PromptInput(prompt, media=tuple(media))]
         return self._job("chatcmpl", req, inputs, [max_tokens], wanted)
 
@@ -293,12 +294,15 @@ class Serving:
         if bad is not None:
             raise invalid_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
 
-    def _max_tokens(self, prompt_len: int, requested: int | None, where: str) -> int:
-        """``requested`` (None: the server's default), lowered to the server's limit and
-        checked against the context length; a default is cut to what the context leaves."""
+    def _max_tokens(
+        self, prompt_len: int, requested: int | None, where: str, param: str = "max_tokens"
+    ) -> int:
+        """``requested`` (None: the server's default; ``param`` names the field that asked),
+        lowered to the server's limit and checked against the context length; a default is
+        cut to what the context leaves."""
         limit = self.client.max_model_len
         if requested is not None and requested < 1:
-            raise invalid_request(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+            raise invalid_request(f"{param} must be at least 1, got {requested}", param)
         if requested is not None and self.max_tokens_limit is not None:
             requested = min(requested, self.max_tokens_limit)
         if prompt_len + (requested or 1) > limit:

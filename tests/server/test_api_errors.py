@@ -88,6 +88,14 @@ def test_out_of_range_sampling_values_are_400(http, field, value, needle):
     assert needle in error["message"] or error["param"] == field
 
 
+@pytest.mark.parametrize("value", [0, -5])
+def test_max_completion_tokens_below_one_is_400_naming_it(http, value):
+    body = {"messages": QUESTION, "max_completion_tokens": value}
+    error = _error(http.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "max_completion_tokens"
+    assert f"max_completion_tokens must be at least 1, got {value}" == error["message"]
+
+
 def test_empty_messages_is_400(http):
     error = _error(http.post("/v1/chat/completions", json={"messages": []}), 400)
     assert error["param"] == "messages"
