@@ -96,13 +96,22 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"Invalid JSON body: {first.get('msg', '')}".rstrip(": "), None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _where(first) or None
     parts = []
     for err in errors[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        where = _where(err)
         parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     return "; ".join(parts), param
+
+
+# how pydantic names a union's alternatives in an error's location (``stop.str``,
+# ``content.list[tagged-union[TextPart,...]]``): not fields, so not part of the param
+_ALTERNATIVES = {"str", "int", "float", "bool"}
+
+
+def _where(error: Any) -> str:
+    loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return ".".join(p for p in loc if p not in _ALTERNATIVES and "[" not in p)
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -21,8 +21,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -101,7 +103,19 @@ class OtherPart(_Request):
     type: str
 
 
-ContentPart = Annotated[TextPart | ImageURLPart | OtherPart, Field(union_mode="left_to_right")]
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return kind if kind in ("text", "image_url") else "other"
+
+
+# chosen by ``type``: a text or image part with a bad field is an error about that field,
+# not "content part type 'text' is not supported"
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")]
+    | Annotated[ImageURLPart, Tag("image_url")]
+    | Annotated[OtherPart, Tag("other")],
+    Discriminator(_part_kind),
+]
 
 
 class FunctionDefinition(_Request):

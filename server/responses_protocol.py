@@ -35,7 +35,16 @@ class OtherInputPart(_Request):
     type: str
 
 
-InputPart = Annotated[InputText | OtherInputPart, Field(union_mode="left_to_right")]
+def _part_kind(part: Any) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "text" if kind in ("input_text", "output_text", "text") else "other"
+
+
+# chosen by ``type``: a text part with a bad field is an error about that field
+InputPart = Annotated[
+    Annotated[InputText, Tag("text")] | Annotated[OtherInputPart, Tag("other")],
+    Discriminator(_part_kind),
+]
 
 
 class MessageItem(_Request):
