@@ -140,6 +140,9 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
             "name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict}}  # fmt: skip
     elif fmt is not None:
         body["response_format"] = {"type": fmt.type}
+    if req.tool_choice not in ("auto", "none") and not req.tools:
+        raise invalid_request(f"tool_choice {_choice_name(req.tool_choice)} requires tools",
+                              "tool_choice")  # fmt: skip
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"},
                                                                       exclude_none=True)}
@@ -151,6 +154,10 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCo
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc.errors()) from exc
+
+
+def _choice_name(choice: Any) -> str:
+    return repr(choice.name) if isinstance(choice, FunctionChoice) else repr(choice)
 
 
 async def prepare(serving: Serving, store: ResponseStore, req: ResponsesRequest) -> Any:
