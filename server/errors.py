@@ -128,7 +128,7 @@ async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONRespons
     except ValueError:
         phrase = "Error"
     detail = exc.detail if isinstance(exc.detail, str) else phrase
-    return APIError(detail, exc.status_code).response()
+    return APIError(detail, exc.status_code, headers=exc.headers).response()  # 405's Allow
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

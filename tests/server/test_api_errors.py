@@ -143,3 +143,9 @@ def test_health_and_metrics_need_no_key(server):
 
 def test_unknown_route_is_404_in_openai_shape(http):
     _error(http.get("/v1/nothing-here"), 404)
+
+
+def test_a_method_not_allowed_is_405_saying_which_are(http):
+    response = http.get("/v1/chat/completions")
+    _error(response, 405)
+    assert response.headers["allow"] == "POST"
