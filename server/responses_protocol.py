@@ -132,7 +132,7 @@ class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Input
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, lt=2**63)  # chat's bound, by this name
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int | None = None

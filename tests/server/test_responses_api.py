@@ -172,6 +172,7 @@ def test_a_forced_call_cut_short_is_incomplete_without_the_call(client, server):
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 2**63}, "max_output_tokens"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
