@@ -96,7 +96,10 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"Invalid JSON body: {first.get('msg', '')}".rstrip(": "), None
-    param = _where(first) or None
+    # the deepest first: where a union's every alternative failed, the one that got
+    # furthest says what is wrong (``content.0.text``, not "content is not a string")
+    errors = sorted(errors, key=lambda err: -len(err.get("loc", ())))
+    param = _where(errors[0]) or None
     parts = []
     for err in errors[:3]:
         where = _where(err)
@@ -105,13 +108,15 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 # how pydantic names a union's alternatives in an error's location (``stop.str``,
-# ``content.list[tagged-union[TextPart,...]]``): not fields, so not part of the param
+# ``content.list[tagged-union[TextPart,...]]``, and the protocol's own tags, ``<text>``):
+# not fields, so not part of the param
 _ALTERNATIVES = {"str", "int", "float", "bool"}
 
 
 def _where(error: Any) -> str:
     loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-    return ".".join(p for p in loc if p not in _ALTERNATIVES and "[" not in p)
+    return ".".join(p for p in loc
+                    if p not in _ALTERNATIVES and "[" not in p and not p.startswith("<"))
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:

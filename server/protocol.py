@@ -105,15 +105,15 @@ class OtherPart(_Request):
 
 def _part_kind(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-    return kind if kind in ("text", "image_url") else "other"
+    return f"<{kind}>" if kind in ("text", "image_url") else "<other>"
 
 
 # chosen by ``type``: a text or image part with a bad field is an error about that field,
 # not "content part type 'text' is not supported"
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")]
-    | Annotated[ImageURLPart, Tag("image_url")]
-    | Annotated[OtherPart, Tag("other")],
+    Annotated[TextPart, Tag("<text>")]
+    | Annotated[ImageURLPart, Tag("<image_url>")]
+    | Annotated[OtherPart, Tag("<other>")],
     Discriminator(_part_kind),
 ]
 

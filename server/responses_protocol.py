@@ -37,12 +37,12 @@ class OtherInputPart(_Request):
 
 def _part_kind(part: Any) -> str:
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-    return "text" if kind in ("input_text", "output_text", "text") else "other"
+    return "<text>" if kind in ("input_text", "output_text", "text") else "<other>"
 
 
 # chosen by ``type``: a text part with a bad field is an error about that field
 InputPart = Annotated[
-    Annotated[InputText, Tag("text")] | Annotated[OtherInputPart, Tag("other")],
+    Annotated[InputText, Tag("<text>")] | Annotated[OtherInputPart, Tag("<other>")],
     Discriminator(_part_kind),
 ]
 
@@ -76,22 +76,23 @@ class OtherItem(_Request):
 
 def _item_kind(item: Any) -> str:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "")
-    return kind if kind in ("message", "function_call", "function_call_output") else "other"
+    known = kind in ("message", "function_call", "function_call_output")
+    return f"<{kind}>" if known else "<other>"
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[OtherItem, Tag("other")],
+    Annotated[MessageItem, Tag("<message>")]
+    | Annotated[FunctionCallItem, Tag("<function_call>")]
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[OtherItem, Tag("<other>")],
     Discriminator(_item_kind),
 ]
 
 
 # text, or items; a bad item's error names only the item (not also "not a string")
 Input = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("items")],
-    Discriminator(lambda value: "text" if isinstance(value, str) else "items"),
+    Annotated[str, Tag("<text>")] | Annotated[list[InputItem], Tag("<items>")],
+    Discriminator(lambda value: "<text>" if isinstance(value, str) else "<items>"),
 ]
 
 

@@ -46,12 +46,18 @@ def test_logprobs_fields_map_to_the_engine_count():
     assert CompletionRequest(prompt="x", logprobs=2).num_logprobs == 2
 
 
-def test_content_parts_text_and_others():
+def test_content_parts_are_chosen_by_type():
     msg = ChatCompletionRequest(
         messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
-                                               {"type": "image_url", "image_url": {}}]}]
+                                               {"type": "input_audio", "input_audio": {}}]}]
     ).messages[0]  # fmt: skip
     assert isinstance(msg.content[0], TextPart) and isinstance(msg.content[1], OtherPart)
+    # an image part without its url is an error about that field, not an unknown part
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}])  # fmt: skip
+    error = validation_error(info.value.errors())
+    assert error.status == 400 and error.param == "messages.0.content.1.image_url.url"
 
 
 @pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
