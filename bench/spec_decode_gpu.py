@@ -564,6 +564,7 @@ def runtime_calls(run: Callable[[], EngineCore], jobs: list[Job], concurrency: i
             for root in ("engine/", "kernels/"):
                 if (i := name.find(root)) >= 0 and "(" in name:
                     frames.append(name[i:])
+                    break
         return " < ".join(frames) or "?"
 
     longest = sorted(events, key=lambda e: -e.cpu_time_total)[:limit]

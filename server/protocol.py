@@ -103,8 +103,15 @@ class OtherPart(_Request):
     type: str
 
 
+def type_of(value: Any, default: str | None = None) -> str | None:
+    """The ``type`` of a tagged part or item, as a dict being validated or as a model."""
+    if isinstance(value, dict):
+        return value.get("type", default)
+    return getattr(value, "type", default)
+
+
 def _part_kind(part: Any) -> str:
-    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    kind = type_of(part)
     return f"<{kind}>" if kind in ("text", "image_url") else "<other>"
 
 

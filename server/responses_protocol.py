@@ -15,7 +15,13 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from server.protocol import ChatTokenLogprob, RequestBody, _Request, stream_options_need_stream
+from server.protocol import (
+    ChatTokenLogprob,
+    RequestBody,
+    _Request,
+    stream_options_need_stream,
+    type_of,
+)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -36,8 +42,7 @@ class OtherInputPart(_Request):
 
 
 def _part_kind(part: Any) -> str:
-    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-    return "<text>" if kind in ("input_text", "output_text", "text") else "<other>"
+    return "<text>" if type_of(part) in ("input_text", "output_text", "text") else "<other>"
 
 
 # chosen by ``type``: a text part with a bad field is an error about that field
@@ -75,7 +80,7 @@ class OtherItem(_Request):
 
 
 def _item_kind(item: Any) -> str:
-    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "")
+    kind = type_of(item, "message" if isinstance(item, dict) else "")
     known = kind in ("message", "function_call", "function_call_output")
     return f"<{kind}>" if known else "<other>"
 
