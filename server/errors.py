@@ -64,6 +64,16 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+class FieldError(ValueError):
+    """A validator's complaint about one field of the model it checks: raised from a model
+    validator (where pydantic places the error at the model), the 400 names ``field``
+    below that place (``messages.2.tool_call_id``, not ``messages.2``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def invalid_request(message: str, param: str | None = None) -> APIError:
     return APIError(message, 400, param=param)
 
@@ -115,6 +125,9 @@ _ALTERNATIVES = {"str", "int", "float", "bool"}
 
 def _where(error: Any) -> str:
     loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        loc.append(cause.field)
     return ".".join(p for p in loc
                     if p not in _ALTERNATIVES and "[" not in p and not p.startswith("<"))
 

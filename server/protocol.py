@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from server.errors import FieldError
+
 MAX_N = 128
 MAX_CHOICES = 128  # sequences one request may start: n x prompts
 MAX_STOP_STRINGS = 4
@@ -158,7 +160,7 @@ class ChatMessage(_Request):
     @model_validator(mode="after")
     def _content_given(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content")
+            raise FieldError("content", f"a {self.role} message needs content")
         return self
 
 
@@ -296,7 +298,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
 
     @model_validator(mode="after")
@@ -304,9 +306,10 @@ class ChatCompletionRequest(SamplingFields):
         names = [t.function.name for t in self.tools or []]
         choice = self.tool_choice
         if choice not in (None, "none", "auto") and not names:
-            raise ValueError("tool_choice requires tools")
+            raise FieldError("tool_choice", "tool_choice requires tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names function {choice.function.name!r}, not in tools")
+            raise FieldError("tool_choice",
+                             f"tool_choice names function {choice.function.name!r}, not in tools")
         return self
 
     @property
@@ -347,7 +350,8 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _bounded_fan_out(self) -> CompletionRequest:
         if self.num_prompts * self.n > MAX_CHOICES:
-            raise ValueError(
+            raise FieldError(
+                "n" if self.n > 1 else "prompt",
                 f"{self.num_prompts} prompts x n={self.n} would start "
                 f"{self.num_prompts * self.n} sequences; at most {MAX_CHOICES} per request"
             )

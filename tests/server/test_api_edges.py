@@ -44,7 +44,7 @@ def test_stream_options_without_stream_is_400(http):
 
 def test_a_message_without_content_is_400(http):
     error = _error(http.post("/chat/completions", json={"messages": [{"role": "user"}]}))
-    assert error["param"] == "messages.0" and "content" in error["message"]
+    assert error["param"] == "messages.0.content" and "needs content" in error["message"]
     calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     history = [*ASK, {"role": "assistant", "tool_calls": calls},
                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]  # fmt: skip

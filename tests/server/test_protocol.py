@@ -120,9 +120,30 @@ def test_stream_options_need_stream_and_messages_need_content():
     assert validation_error(info.value.errors()).param == "stream_options"
     with pytest.raises(ValidationError) as info:
         ChatCompletionRequest(messages=[{"role": "user"}])
-    assert validation_error(info.value.errors()).param == "messages.0"
+    assert validation_error(info.value.errors()).param == "messages.0.content"
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     ChatCompletionRequest(messages=[*MESSAGES, {"role": "assistant", "tool_calls": calls}])
+
+
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
+
+
+@pytest.mark.parametrize(("model", "body", "param", "problem"), [
+    (ChatCompletionRequest, {"messages": MESSAGES, "tool_choice": "required"},
+     "tool_choice", "tool_choice requires tools"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "tools": TOOLS,
+                             "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice", "tool_choice names function 'g', not in tools"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "top_logprobs": 2},
+     "top_logprobs", "top_logprobs requires logprobs to be true"),
+    (CompletionRequest, {"prompt": ["a"] * 16, "n": 64}, "n", "would start 1024 sequences"),
+    (CompletionRequest, {"prompt": ["a"] * 129}, "prompt", "would start 129 sequences"),
+])  # fmt: skip
+def test_a_rule_across_fields_names_the_field_it_is_about(model, body, param, problem):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    error = validation_error(info.value.errors())
+    assert error.param == param and problem in error.message, error.body()
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
