@@ -148,19 +148,39 @@ class NamedToolChoice(_Request):
     function: FunctionName
 
 
+class CalledFunction(_Request):
+    """The function an earlier assistant turn called. ``arguments`` is JSON text as the
+    model wrote it, handed to the chat template unparsed: OpenAI does not parse it either
+    (a model's arguments are not always valid JSON, and such a turn is sent back as is)."""
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class MessageToolCall(_Request):
+    """A tool call of an assistant message sent back; a missing ``type`` is a function's."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    """Content is required except on an assistant message that makes tool calls."""
+    """Content is required except on an assistant message that makes tool calls; a tool
+    message names the call it answers."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _content_given(self) -> ChatMessage:
+    def _required_fields(self) -> ChatMessage:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise FieldError("content", f"a {self.role} message needs content")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise FieldError("tool_call_id", "a tool message needs tool_call_id")
         return self
 
 

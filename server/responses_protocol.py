@@ -63,7 +63,7 @@ class FunctionCallItem(_Request):
 
     type: Literal["function_call"]
     call_id: str
-    name: str
+    name: str = Field(min_length=1)  # as on chat, where it becomes a message's tool call
     arguments: str
 
 

@@ -533,11 +533,8 @@ def _template_message(message: ChatMessage, position: int, parts: bool = False) 
                                       f"messages.{position}.content.{j}")  # fmt: skip
         content = texts if parts else "\n".join(texts)
     role = "system" if message.role == "developer" else message.role
-    plain = {"role": role, "content": content or ""}
-    for key in ("name", "tool_calls", "tool_call_id"):
-        if getattr(message, key) is not None:
-            plain[key] = getattr(message, key)
-    return plain
+    fields = message.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)
+    return {"role": role, "content": content or "", **fields}
 
 
 # ---- merging n streams --------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The edges third-party suites hit, against a real ``ferry serve``: ``stream_options``
-without ``stream`` and a message without content are 400s; ``tool_choice="required"``
+without ``stream``, a message without content, a malformed tool call sent back and a
+tool message without ``tool_call_id`` are 400s; ``tool_choice="required"``
 with a pydantic tool whose schema has ``$defs``; a forced call cut short by
 ``max_tokens`` comes back alike streamed and not (no call, finish reason ``length``);
 streamed calls carry each index once."""
@@ -50,6 +51,18 @@ def test_a_message_without_content_is_400(http):
                {"role": "tool", "tool_call_id": "call_1", "content": "done"}]  # fmt: skip
     ok = http.post("/chat/completions", json={"messages": history, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_malformed_tool_call_or_tool_message_is_400_naming_the_field(http):
+    call = {"id": "call_1", "type": "function", "function": {"name": "", "arguments": "{}"}}
+    history = [*ASK, {"role": "assistant", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "done"}]  # fmt: skip
+    error = _error(http.post("/chat/completions", json={"messages": history}))
+    assert error["param"] == "messages.1.tool_calls.0.function.name", error
+    history[1]["tool_calls"][0]["function"]["name"] = "f"
+    del history[2]["tool_call_id"]
+    error = _error(http.post("/chat/completions", json={"messages": history}))
+    assert error["param"] == "messages.2.tool_call_id", error
 
 
 def test_required_tool_with_defs_refs_is_called(client, server):

@@ -125,6 +125,46 @@ def test_stream_options_need_stream_and_messages_need_content():
     ChatCompletionRequest(messages=[*MESSAGES, {"role": "assistant", "tool_calls": calls}])
 
 
+CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(("message", "param"), [
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]},
+     "messages.1.tool_calls.0.function"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "", "arguments": "{}"}}]},
+     "messages.1.tool_calls.0.function.name"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": 3, "arguments": "{}"}}]},
+     "messages.1.tool_calls.0.function.name"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"arguments": "{}"}}]},
+     "messages.1.tool_calls.0.function.name"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": {}}}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"role": "assistant", "tool_calls": [{**CALL, "type": "custom"}]},
+     "messages.1.tool_calls.0.type"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": CALL["function"]}]},
+     "messages.1.tool_calls.0.id"),
+    ({"role": "tool", "content": "done"}, "messages.1.tool_call_id"),
+])  # fmt: skip
+def test_a_malformed_tool_call_or_tool_message_names_the_field(message, param):
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest(messages=[*MESSAGES, message])
+    assert validation_error(info.value.errors()).param == param
+
+
+def test_tool_calls_sent_back_reach_the_template_as_sent():
+    from server.serving import _template_message
+
+    # content null beside calls, no type, and arguments that are not JSON: all as OpenAI takes
+    call = {"id": "c", "function": {"name": "f", "arguments": "{not json"}}
+    req = ChatCompletionRequest(messages=[
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "done"}])  # fmt: skip
+    assert [_template_message(m, i) for i, m in enumerate(req.messages)][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "type": "function"}]},
+        {"role": "tool", "content": "done", "tool_call_id": "c"},
+    ]
+
+
 TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 
