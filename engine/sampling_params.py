@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Literal
 
 import msgspec
@@ -19,6 +20,20 @@ class GrammarSpec(msgspec.Struct, frozen=True):
 
     kind: GrammarKind
     value: str
+
+
+class SamplingError(ValueError):
+    """Settings out of range, as ``(field, what is wrong)`` pairs; ``field`` is the first's."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        self.field = problems[0][0]
+        super().__init__(self.describe())
+
+    def describe(self, names: Mapping[str, str] | None = None) -> str:
+        """Every problem in one line, each field called by ``names`` (else by its own)."""
+        names = names or {}
+        return "; ".join(f"{names.get(field, field)} {text}" for field, text in self.problems)
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -51,32 +66,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     def __post_init__(self) -> None:
         problems = list(self.problems())
         if problems:
-            raise ValueError("; ".join(problems))
+            raise SamplingError(problems)
 
-    def problems(self):
+    def problems(self) -> Iterator[tuple[str, str]]:
+        """Each setting out of range: its field and what is wrong with it."""
         if not 0.0 <= self.temperature <= 2.0:
-            yield f"temperature must be in [0, 2], got {self.temperature}"
+            yield "temperature", f"must be in [0, 2], got {self.temperature}"
         if not 0.0 < self.top_p <= 1.0:
-            yield f"top_p must be in (0, 1], got {self.top_p}"
+            yield "top_p", f"must be in (0, 1], got {self.top_p}"
         if self.top_k < 0:
-            yield f"top_k must be >= 0 (0 disables it), got {self.top_k}"
+            yield "top_k", f"must be >= 0 (0 disables it), got {self.top_k}"
         if not 0.0 <= self.min_p <= 1.0:
-            yield f"min_p must be in [0, 1], got {self.min_p}"
+            yield "min_p", f"must be in [0, 1], got {self.min_p}"
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                yield f"{name} must be in [-2, 2], got {value}"
+                yield name, f"must be in [-2, 2], got {value}"
         if not 0.0 < self.repetition_penalty <= 2.0:
-            yield f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"
+            yield "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}"
         if self.max_tokens < 1:
-            yield f"max_tokens must be >= 1, got {self.max_tokens}"
+            yield "max_tokens", f"must be >= 1, got {self.max_tokens}"
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            yield f"top_logprobs must be in [0, 20], got {self.logprobs}"
+            yield "logprobs", f"must be in [0, 20], got {self.logprobs}"
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            yield f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"
+            yield "prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}"
         for token, bias in self.logit_bias.items():
             if not -100.0 <= bias <= 100.0:
-                yield f"logit_bias for token {token} must be in [-100, 100], got {bias}"
+                yield "logit_bias", f"for token {token} must be in [-100, 100], got {bias}"
 
     @property
     def greedy(self) -> bool:

@@ -4,10 +4,11 @@
 Requests ignore unknown top-level fields, like OpenAI and vLLM; each unknown name is
 logged once, at debug level (``ferry.server``). Range checks of sampling values are not
 repeated here: ``engine.sampling_params.SamplingParams`` owns them and the serving
-layer turns its ``ValueError`` into a 400. What is bounded here is what would cost the
-server before any such check: integers fit in 64 bits (``Int64``: no 4,300-digit
-number reaches ``int()`` or ``str()``), ``logit_bias`` keys are token ids of at most 10
-digits, and one request starts at most ``MAX_CHOICES`` sequences (``n`` × prompts).
+layer turns its ``SamplingError`` into a 400 naming the request's field. What is bounded
+here is what would cost the server before any such check: integers fit in 64 bits
+(``Int64``: no 4,300-digit number reaches ``int()`` or ``str()``), ``logit_bias`` keys are
+token ids of at most 10 digits, and one request starts at most ``MAX_CHOICES`` sequences
+(``n`` × prompts).
 Responses are built with these models and serialized with ``model_dump_json``; ``None``
 fields are kept (OpenAI sends ``null``).
 """
@@ -294,6 +295,8 @@ class SamplingFields(RequestBody):
             raise ValueError("prompt_logprobs are not available when stream is true")
         return value
 
+    logprobs_param: ClassVar[str] = "logprobs"  # the field ``num_logprobs`` comes from
+
     @property
     def num_logprobs(self) -> int | None:
         """Top alternatives per token the engine should return (None: no logprobs)."""
@@ -314,6 +317,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    logprobs_param: ClassVar[str] = "top_logprobs"
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

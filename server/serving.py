@@ -33,7 +33,7 @@ from prometheus_client import Counter
 from encode.inputs import ImageRef, MediaError, SeenImages, load_images
 from engine.client import EngineDeadError, ReaderTooSlow, ServingClient
 from engine.messages import MediaItem, RequestOutput, TokenLogprob
-from engine.sampling_params import GrammarSpec, SamplingParams
+from engine.sampling_params import GrammarSpec, SamplingError, SamplingParams
 from engine.vision import ImageError, ImageInput, place_images
 from server import access
 from server.admission import Admission, Ticket
@@ -376,8 +376,9 @@ class Serving:
                 grammar=grammar,
                 speculative=req.speculative,
             )
-        except ValueError as exc:
-            raise invalid_request(str(exc)) from exc
+        except SamplingError as exc:  # each field named as the request names it
+            names = {"logprobs": req.logprobs_param}
+            raise invalid_request(exc.describe(names), names.get(exc.field, exc.field)) from exc
 
     # -- running ------------------------------------------------------------------------------
 

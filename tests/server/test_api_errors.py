@@ -88,6 +88,29 @@ def test_out_of_range_sampling_values_are_400(http, field, value, needle):
     assert needle in error["message"] or error["param"] == field
 
 
+# logprobs on, which top_logprobs needs
+BODIES = {"/v1/chat/completions": {"messages": QUESTION, "logprobs": True},
+          "/v1/completions": {"prompt": "Hi"}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "field", "value", "message"), [
+    ("/v1/chat/completions", "temperature", 5, "temperature must be in [0, 2], got 5.0"),
+    ("/v1/chat/completions", "top_p", 0, "top_p must be in (0, 1], got 0.0"),
+    ("/v1/chat/completions", "min_p", 2, "min_p must be in [0, 1], got 2.0"),
+    ("/v1/chat/completions", "frequency_penalty", -3, "frequency_penalty must be in [-2, 2]"),
+    ("/v1/chat/completions", "repetition_penalty", 0, "repetition_penalty must be in (0, 2]"),
+    ("/v1/chat/completions", "top_logprobs", 50, "top_logprobs must be in [0, 20], got 50"),
+    ("/v1/chat/completions", "logit_bias", {"5": 101}, "logit_bias for token 5 must be in"),
+    ("/v1/completions", "logprobs", 50, "logprobs must be in [0, 20], got 50"),
+    ("/v1/completions", "prompt_logprobs", 21, "prompt_logprobs must be in [0, 20], got 21"),
+])  # fmt: skip
+def test_a_sampling_value_out_of_range_is_400_naming_its_field(http, path, field, value,
+                                                                message):  # fmt: skip
+    body = {**BODIES[path], "max_tokens": 2, field: value}
+    error = _error(http.post(path, json=body), 400)
+    assert error["param"] == field and error["message"].startswith(message), error
+
+
 @pytest.mark.parametrize("value", [0, -5])
 def test_max_completion_tokens_below_one_is_400_naming_it(http, value):
     body = {"messages": QUESTION, "max_completion_tokens": value}

@@ -178,6 +178,8 @@ def test_a_forced_call_cut_short_is_incomplete_without_the_call(client, server):
     ({"tool_choice": {"type": "function", "name": "other"}, "tools": [WEATHER]}, "tool_choice"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}]},
      "input.0.name"),
+    ({"temperature": 5}, "temperature"),
+    ({"top_logprobs": 50}, "top_logprobs"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content"),
 ])  # fmt: skip
