@@ -348,11 +348,9 @@ class Serving:
     def _sampling(
         self, req: SamplingFields, i: int, max_tokens: int, grammar: GrammarSpec | None
     ) -> SamplingParams:
-        vocab = self.tokenizer.vocab_size
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        for token in [*bias, *(req.stop_token_ids or [])]:
-            if not 0 <= token < vocab:
-                raise invalid_request(f"token id {token} is outside the vocabulary [0, {vocab})")
+        self._check_token_ids(list(bias), "logit_bias")
+        self._check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         values: dict[str, Any] = {
             "temperature": req.temperature,
             "top_p": req.top_p,

@@ -103,6 +103,8 @@ BODIES = {"/v1/chat/completions": {"messages": QUESTION, "logprobs": True},
     ("/v1/chat/completions", "logit_bias", {"5": 101}, "logit_bias for token 5 must be in"),
     ("/v1/completions", "logprobs", 50, "logprobs must be in [0, 20], got 50"),
     ("/v1/completions", "prompt_logprobs", 21, "prompt_logprobs must be in [0, 20], got 21"),
+    ("/v1/chat/completions", "logit_bias", {"99999999": 1}, "token id 99999999 is outside"),
+    ("/v1/completions", "stop_token_ids", [99999999], "token id 99999999 is outside"),
 ])  # fmt: skip
 def test_a_sampling_value_out_of_range_is_400_naming_its_field(http, path, field, value,
                                                                 message):  # fmt: skip
