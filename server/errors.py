@@ -112,9 +112,18 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     param = _where(errors[0]) or None
     parts = []
     for err in errors[:3]:
-        where = _where(err)
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        where, msg = _where(err), _reason(err)
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts), param
+
+
+def _reason(error: Any) -> str:
+    """What is wrong, in the check's own words: a ValueError raised by a validator is its
+    message, without pydantic's "Value error, " before it."""
+    cause = (error.get("ctx") or {}).get("error")
+    if error.get("type") == "value_error" and isinstance(cause, ValueError):
+        return str(cause)
+    return str(error.get("msg"))
 
 
 # how pydantic names a union's alternatives in an error's location (``stop.str``,
