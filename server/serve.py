@@ -49,6 +49,14 @@ from engine.worker.config import TransferConfig
 from router.config import PDConfig
 from router.policies import POLICIES
 from server.body import DEFAULT_MAX_BODY_MB
+from server.cli import (
+    int_at_least,
+    int_in,
+    number_at_least,
+    positive_int,
+    positive_number,
+    tcp_port,
+)
 from server.config import MAX_TOKENS_DEFAULT, ServerConfig
 from server.topology import section
 
@@ -56,6 +64,12 @@ from server.topology import section
 # slower at batch 64 (bench/README.md, GPU). The CPU keeps the finer prefix-cache grain.
 CUDA_BLOCK_SIZE = 128
 DEFAULT_SPECULATIVE_TOKENS = 3  # K when --speculative is given without --num-speculative-tokens
+MAX_SPECULATIVE_TOKENS = 16  # SpeculativeConfig's bound on K
+# What the engine takes (engine.core._DTYPES, engine.spec.DRAFTERS), named here so that
+# the frontend checks them at parse time without importing torch
+DTYPES = ("float32", "bfloat16", "float16")
+DRAFTERS = ("ngram", "mtp")  # and draft:PATH
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # On the CPU the KV cache is sized for two contexts of this many tokens unless told (the
 # default model's own 8k would be 0.75 GB of float32 KV per worker, this 0.19 GB).
 CPU_MAX_MODEL_LEN = 2048
@@ -77,7 +91,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     api = section(p, "server", "the HTTP API")
     api.add_argument("--host", default=ServerConfig.host, help="address to listen on")
-    api.add_argument("--port", type=int, default=ServerConfig.port, help="0 picks a free port")
+    api.add_argument("--port", type=tcp_port, default=ServerConfig.port,
+                     help="0 picks a free port")
     api.add_argument("--api-key", help=f"require this bearer key on /v1/* (or "
                      f"${envs.API_KEY.name}; default: none)")  # fmt: skip
     add_api_flags(api)
@@ -86,7 +101,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     control = section(p, "control", "the control plane (workers, not clients, use it)")
     control.add_argument("--internal-host", default=ServerConfig.internal_host,
                          help="address of the listener workers announce themselves to")
-    control.add_argument("--internal-port", type=int,
+    control.add_argument("--internal-port", type=tcp_port,
                          help="its port (default: --port + 1; a free one with --port 0)")
     add_secret_flag(control)
     control.add_argument("--redis", metavar="URL", help="share workers and KV events with "
@@ -94,11 +109,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pools = section(p, "pools", "the workers this frontend starts (default: 1 prefill + 1 decode)")
     pools.add_argument("--aggregated", action="store_true",
                        help="one engine process does prefill and decode (no KV transfer)")
-    pools.add_argument("--prefill", type=int, default=PDConfig.num_prefill, metavar="N",
+    pools.add_argument("--prefill", type=int_at_least(0), default=PDConfig.num_prefill,
+                       metavar="N",
                        help="prefill workers to start (more may join: ferry worker)")
-    pools.add_argument("--decode", type=int, default=PDConfig.num_decode, metavar="M",
+    pools.add_argument("--decode", type=int_at_least(0), default=PDConfig.num_decode,
+                       metavar="M",
                        help="decode workers to start (more may join: ferry worker)")
-    pools.add_argument("--encode", type=int, metavar="E",
+    pools.add_argument("--encode", type=int_at_least(0), metavar="E",
                        help="encode workers to start, which run the vision tower of a "
                             "vision-language model (default: 1 for such a model, 0 for a "
                             "text model; 0: the prefill workers encode images themselves)")
@@ -114,7 +131,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pools.add_argument("--restart-workers", action=argparse.BooleanOptionalAction,
                        default=PDConfig.restart_workers,
                        help="start a worker this frontend spawned again when it dies or hangs")
-    pools.add_argument("--worker-silence-timeout", type=float, metavar="S",
+    pools.add_argument("--worker-silence-timeout", type=positive_number, metavar="S",
                        default=PDConfig.silence_timeout_s,
                        help="a worker unheard this long is hung: a spawned one is killed (and "
                        "restarted), one that joined is out of rotation until heard again")
@@ -128,8 +145,9 @@ def add_config_flag(p: argparse.ArgumentParser) -> None:
 
 
 def add_log_flags(group: Any) -> None:
-    group.add_argument("--log-level", help=f"debug, info, warning, ... (default: "
-                       f"${envs.LOG_LEVEL.name} or {envs.LOG_LEVEL.default})")  # fmt: skip
+    group.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
+                       help=f"{', '.join(LOG_LEVELS)} (default: ${envs.LOG_LEVEL.name} or "
+                            f"{envs.LOG_LEVEL.default})")  # fmt: skip
     group.add_argument("--log-format", choices=FORMATS,
                        help="text for people, json for log collectors (one object per line), "
                             "for this process and the workers it starts (default: "
@@ -137,15 +155,20 @@ def add_log_flags(group: Any) -> None:
 
 
 def log_config(args: argparse.Namespace) -> LogConfig:
-    """``--log-level`` / ``--log-format``, else their environment variables."""
+    """``--log-level`` / ``--log-format``, else their environment variables (a bad value
+    there is one line naming the variable)."""
     level = (args.log_level or envs.LOG_LEVEL.get()).lower()
-    return LogConfig(level, (args.log_format or envs.LOG_FORMAT.get()).lower())
+    try:
+        return LogConfig(level, (args.log_format or envs.LOG_FORMAT.get()).lower())
+    except ValueError as exc:
+        var = envs.LOG_FORMAT if "format" in str(exc) else envs.LOG_LEVEL
+        raise SystemExit(f"ferry: ${var.name}: {exc}") from None
 
 
 def add_api_flags(p: Any) -> None:
     """What the HTTP API takes and what it does when a request leaves a value open
     (``ServerConfig``)."""
-    p.add_argument("--max-body-mb", type=_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
+    p.add_argument("--max-body-mb", type=number_at_least(1e-3), default=DEFAULT_MAX_BODY_MB,
                    help="larger request bodies get 413 before they are read")
     p.add_argument("--max-tokens-default", type=int_at_least(0), default=MAX_TOKENS_DEFAULT,
                    metavar="N", help="output tokens of a request without max_tokens (0: fill "
@@ -159,23 +182,24 @@ def add_api_flags(p: Any) -> None:
     p.add_argument("--max-queued-tokens", type=int_at_least(1),
                    default=ServerConfig.max_queued_tokens, metavar="N",
                    help="prompt tokens that may wait for a first token; more get 429")
-    p.add_argument("--request-timeout", type=_at_least(0.0),
+    p.add_argument("--request-timeout", type=number_at_least(0.0),
                    default=ServerConfig.request_timeout_s, metavar="S",
                    help="seconds one request may run before it ends with an error (0: none)")
-    p.add_argument("--drain-timeout", type=_at_least(0.0),
+    p.add_argument("--drain-timeout", type=number_at_least(0.0),
                    default=ServerConfig.drain_timeout_s, metavar="S",
                    help="on SIGTERM or Ctrl-C: seconds requests in flight may take to finish")
     p.add_argument("--response-store-size", type=int_at_least(0),
                    default=ServerConfig.response_store_size, metavar="N",
                    help="Responses API: stored responses kept for previous_response_id")
-    p.add_argument("--response-store-ttl", type=_at_least(0.0),
+    p.add_argument("--response-store-ttl", type=number_at_least(0.0),
                    default=ServerConfig.response_store_ttl_s, metavar="S",
                    help="Responses API: seconds a stored response is kept")  # fmt: skip
 
 
 def add_media_flags(p: Any) -> None:
     """What a request's images may be (``encode.inputs.MediaLimits``)."""
-    p.add_argument("--max-image-mb", type=_at_least(1e-3), default=DEFAULT_MAX_IMAGE_BYTES / 2**20,
+    p.add_argument("--max-image-mb", type=number_at_least(1e-3),
+                   default=DEFAULT_MAX_IMAGE_BYTES / 2**20,
                    help="largest image file accepted (decoded from its data URL, or fetched)")
     p.add_argument("--max-image-pixels", type=int_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
                    metavar="N", help="most pixels of one image (read from its header, before "
@@ -185,8 +209,9 @@ def add_media_flags(p: Any) -> None:
     p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
                    help="hosts (and their subdomains) whose http(s) image URLs are fetched; "
                    "none by default: only data URLs are read, file:// never")
-    p.add_argument("--media-fetch-timeout", type=_at_least(1e-3), default=DEFAULT_FETCH_TIMEOUT_S,
-                   metavar="S", help="seconds fetching one image URL may take")  # fmt: skip
+    p.add_argument("--media-fetch-timeout", type=number_at_least(1e-3),
+                   default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
+                   help="seconds fetching one image URL may take")  # fmt: skip
 
 
 def add_secret_flag(group: Any) -> None:
@@ -218,14 +243,15 @@ def add_transfer_flags(group: Any) -> None:
                        help="how KV moves from prefill to decode workers (default: shm on "
                             "the CPU; on CUDA cuda_ipc when the workers share a GPU, nccl "
                             "when they are spread over several; tcp across hosts)")
-    group.add_argument("--local-prefill-tokens", type=int,
+    group.add_argument("--local-prefill-tokens", type=int_at_least(0),
                        default=TransferConfig.local_prefill_tokens,
                        help="a decode worker prefills a prompt itself when at most this many "
                             "of its tokens are not in its prefix cache")
-    group.add_argument("--kv-transfer-timeout", type=float, default=TransferConfig.timeout_s,
+    group.add_argument("--kv-transfer-timeout", type=positive_number,
+                       default=TransferConfig.timeout_s,
                        help="seconds a prompt's KV may take to arrive once its prefill has "
                             "started")
-    group.add_argument("--kv-queue-timeout", type=float,
+    group.add_argument("--kv-queue-timeout", type=number_at_least(0),
                        default=TransferConfig.queue_timeout_s,
                        help="seconds a prompt may wait for a prefill worker to start it "
                             "(its decode worker holds blocks for it meanwhile)")
@@ -240,12 +266,13 @@ def add_engine_flags(p: Any) -> None:
                        help="a GGUF file, a Hugging Face folder, dummy:<preset> (random weights "
                             "at a real shape) or 'default', SmolLM2-135M-Instruct as setup.sh "
                             "installs it (default: %(default)s)")
-    model.add_argument("--device", help=f"cpu or cuda[:i] (default: {EngineConfig.device})")
-    model.add_argument("--dtype", help="float32, bfloat16 or float16 (default: "
-                       f"{EngineConfig.dtype})")
-    model.add_argument("--max-model-len", type=int,
-                       help=f"context length (default: the model's; at most {CPU_MAX_MODEL_LEN} "
-                            "on the CPU)")
+    model.add_argument("--device", type=device,
+                       help=f"cpu, cuda or cuda:N (default: {EngineConfig.device})")
+    model.add_argument("--dtype", choices=DTYPES, help="of the weights, activations and KV "
+                       f"cache (default: {EngineConfig.dtype})")
+    model.add_argument("--max-model-len", type=positive_int, metavar="N",
+                       help=f"context length in tokens, at most the model's own (default: "
+                            f"the model's own on CUDA, {CPU_MAX_MODEL_LEN} on the CPU)")
     model.add_argument("--cpu-weights", choices=["auto", "fp32", "int8", "int4"],
                        help="CPU matrices: int4 (4-bit projections, 8-bit embeddings; a GGUF's "
                             "own blocks), int8, or fp32 (default: auto, int4 for GGUF)")
@@ -254,20 +281,23 @@ def add_engine_flags(p: Any) -> None:
                             "output channel, half their bytes (on CUDA: a Hopper GPU and "
                             "--dtype bfloat16); other "
                             "layers stay in --dtype (default: none)")
-    model.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    model.add_argument("--seed", type=int, help="engine seed for unseeded requests (default: "
-                       f"{EngineConfig.seed})")
+    model.add_argument("--threads", type=positive_int,
+                       help="torch CPU threads (default: torch's)")
+    model.add_argument("--seed", type=int_in(-(2**63), 2**63 - 1),
+                       help=f"engine seed for unseeded requests (default: {EngineConfig.seed})")
     engine = section(p, "engine", "batching, the KV cache and kernels")
-    engine.add_argument("--block-size", type=int,
-                        help=f"KV cache block size in tokens (default: {CUDA_BLOCK_SIZE} on CUDA, "
-                        f"{CacheConfig.block_size} on the CPU)")
-    engine.add_argument("--kv-cache-memory-gb", type=float,
+    engine.add_argument("--block-size", type=positive_int, metavar="N",
+                        help="KV cache block size in tokens: any on the CPU, a power of two on "
+                             f"CUDA (default: {CUDA_BLOCK_SIZE} on CUDA, "
+                             f"{CacheConfig.block_size} on the CPU)")
+    engine.add_argument("--kv-cache-memory-gb", type=positive_number, metavar="GB",
                         help="memory for each worker's KV cache (default: two contexts of "
                              "--max-model-len, at most 1)")
-    engine.add_argument("--max-num-seqs", type=int, help="most sequences in one batch "
+    engine.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch "
                         f"(default: {SchedulerConfig.max_num_seqs})")
-    engine.add_argument("--max-num-batched-tokens", type=int, help="token budget of one step "
-                        f"(default: {SchedulerConfig.max_num_batched_tokens})")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int,
+                        help="token budget of one step "
+                             f"(default: {SchedulerConfig.max_num_batched_tokens})")
     engine.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction,
                         default=None, help="plan each step while the previous one runs "
                         "(default: on CUDA)")
@@ -278,9 +308,10 @@ def add_engine_flags(p: Any) -> None:
                         help="CUDA: steps with prompt tokens of up to N tokens replay CUDA "
                              "graphs between eager attentions; 0: eagerly (default: "
                              f"{EngineConfig.piecewise_graph_tokens})")
-    engine.add_argument("--grammar-cache-mb", type=int, help="memory for compiled grammars, LRU "
-                        f"(default: {StructuredOutputConfig.grammar_cache_mb})")
-    engine.add_argument("--grammar-compile-threads", type=int, help="threads compiling "
+    engine.add_argument("--grammar-cache-mb", type=int_at_least(0),
+                        help="memory for compiled grammars, LRU "
+                             f"(default: {StructuredOutputConfig.grammar_cache_mb})")
+    engine.add_argument("--grammar-compile-threads", type=positive_int, help="threads compiling "
                         f"grammars (default: {StructuredOutputConfig.compile_threads})")
     ep = section(p, "ep", "expert-parallel groups of MoE models (--decode-ep, --prefill-ep)")
     ep.add_argument("--ep-redundant-experts", type=int_at_least(0),
@@ -297,11 +328,12 @@ def add_engine_flags(p: Any) -> None:
                     help="record each step's tokens per layer and expert, one file per "
                          "worker rank in DIR (bench/eplb_replay.py replays them)")
     spec = section(p, "speculative", "draft tokens and verify them in one forward")
-    spec.add_argument("--speculative", default="none", metavar="DRAFTER",
+    spec.add_argument("--speculative", type=drafter, default="none", metavar="DRAFTER",
                       help="who drafts: ngram (prompt lookup), mtp (the model's own "
                            "multi-token-prediction layers), draft:PATH (a small model with "
                            "the target's tokenizer), or none (default)")
-    spec.add_argument("--num-speculative-tokens", type=int_at_least(0), default=0,
+    spec.add_argument("--num-speculative-tokens", type=int_in(0, MAX_SPECULATIVE_TOKENS),
+                      default=0,
                       metavar="K", help="most drafts verified per request and step "
                                         "(default 3 with a drafter)")
     spec.add_argument("--spec-schedule", choices=list(SPEC_SCHEDULES), default="dynamic",
@@ -318,16 +350,16 @@ def add_engine_flags(p: Any) -> None:
                        help="which tiers: 'host', 'file', 'host,file' or 'none' (default: "
                             "file on the CPU, host too with --host-kv-cache-gb; host on CUDA, "
                             "file too with --kv-dir)")
-    tiers.add_argument("--host-kv-cache-gb", type=_at_least(0.0),
+    tiers.add_argument("--host-kv-cache-gb", type=number_at_least(0.0),
                        help="host memory per worker for KV blocks evicted from its cache "
                             "(default: 2%% of the memory available at start, shared by the "
                             "workers started, at most 4; on the CPU no host tier unless given)")
     tiers.add_argument("--kv-dir", help="file tier directory, shared by every worker of the "
                        f"machine (default: ${envs.KV_DIR.name} or ~/.cache/ferry/kv)")
-    tiers.add_argument("--kv-file-capacity-gb", type=_at_least(1e-6),
+    tiers.add_argument("--kv-file-capacity-gb", type=number_at_least(1e-6),
                        default=CacheConfig.file_capacity_gb,
                        help="most bytes of KV files; least recently used go first")
-    tiers.add_argument("--kv-file-ttl-hours", type=_at_least(1e-6),
+    tiers.add_argument("--kv-file-ttl-hours", type=number_at_least(1e-6),
                        default=CacheConfig.file_ttl_hours, help="a KV file unused this long "
                        "is removed")
     tiers.add_argument("--kv-file-mode", type=_file_mode, default=CacheConfig.file_mode,
@@ -337,10 +369,28 @@ def add_engine_flags(p: Any) -> None:
 
 
 def _floats(text: str) -> tuple[float, ...]:
+    """Comma-separated positive numbers (temperatures)."""
     try:
-        return tuple(float(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated numbers, not {text!r}") from None
+        return tuple(positive_number(v) for v in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"comma-separated numbers above 0, not "
+                                         f"{text!r}") from None  # fmt: skip
+
+
+def device(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    kind, colon, index = text.partition(":")
+    if (kind, colon) == ("cpu", "") or kind == "cuda" and (not colon or index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"cpu, cuda or cuda:N, not {text!r}")
+
+
+def drafter(text: str) -> str:
+    """``--speculative``: ``none``, one of ``DRAFTERS`` or ``draft:PATH``."""
+    method, colon, path = text.partition(":")
+    if text in ("none", *DRAFTERS) or (method == "draft" and path):
+        return text
+    raise argparse.ArgumentTypeError(f"{', '.join(DRAFTERS)}, draft:PATH or none, not {text!r}")
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
@@ -374,26 +424,6 @@ def _file_mode(text: str) -> int:
         return check_file_mode(int(text.removeprefix("0o"), 8))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: an octal mode such as 600; {exc}") from None
-
-
-def int_at_least(low: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text} is below {low}")
-        return value
-
-    return parse
-
-
-def _at_least(low: float):
-    def parse(text: str) -> float:
-        value = float(text)
-        if not value >= low:  # also refuses nan
-            raise argparse.ArgumentTypeError(f"{text} is below {low:g}")
-        return value
-
-    return parse
 
 
 def default_kv_dir() -> str:
@@ -548,6 +578,9 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    if args.port == 65535 and args.internal_port is None:
+        raise ValueError("--port 65535 leaves no port for the control plane (--port + 1): "
+                         "give --internal-port")  # fmt: skip
     return ServerConfig(
         host=args.host,
         port=args.port,

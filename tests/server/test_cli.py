@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import socket
@@ -10,8 +11,8 @@ import pytest
 import uvicorn
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from server import serve
-from server.cli import SUBCOMMANDS, build_parser
+from server import cli, serve
+from server.cli import SUBCOMMANDS, build_parser, commands
 
 
 def parse(*argv: str):
@@ -193,3 +194,106 @@ def test_fp8_quantization_reaches_the_engine_and_is_refused_for_a_model_without_
     with pytest.raises(SystemExit):
         parse("--quantization", "int3")
     assert "--quantization" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--port", "99999"], "argument --port: must be 0-65535, got 99999"),
+    (["--port", "-5"], "argument --port: must be 0-65535, got -5"),
+    (["--port", "abc"], "argument --port: invalid int value: 'abc'"),
+    (["--internal-port", "70000"], "argument --internal-port: must be 0-65535, got 70000"),
+    (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
+    (["--max-num-seqs", "-1"], "argument --max-num-seqs: must be at least 1, got -1"),
+    (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be at least 1"),
+    (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3' (choose from 'float32', "
+                          "'bfloat16', 'float16')"),
+    (["--device", "gpu"], "argument --device: cpu, cuda or cuda:N, not 'gpu'"),
+    (["--device", "cuda:x"], "argument --device: cpu, cuda or cuda:N, not 'cuda:x'"),
+    (["--max-model-len", "0"], "argument --max-model-len: must be at least 1, got 0"),
+    (["--block-size", "0"], "argument --block-size: must be at least 1, got 0"),
+    (["--kv-cache-memory-gb", "0"], "argument --kv-cache-memory-gb: must be more than 0, got 0"),
+    (["--threads", "0"], "argument --threads: must be at least 1, got 0"),
+    (["--seed", str(2**63)], "argument --seed: must be from -9223372036854775808 to "
+                             "9223372036854775807"),
+    (["--grammar-cache-mb", "-1"], "argument --grammar-cache-mb: must be at least 0, got -1"),
+    (["--grammar-compile-threads", "0"], "argument --grammar-compile-threads: must be at least 1"),
+    (["--speculative", "eagle"], "argument --speculative: ngram, mtp, draft:PATH or none, "
+                                 "not 'eagle'"),
+    (["--speculative", "draft:"], "argument --speculative: ngram, mtp, draft:PATH or none"),
+    (["--num-speculative-tokens", "17"], "argument --num-speculative-tokens: must be 0-16, got 17"),
+    (["--spec-confidence-temperatures", "1,0"], "argument --spec-confidence-temperatures: "
+                                                "comma-separated numbers above 0"),
+    (["--prefill", "-1"], "argument --prefill: must be at least 0, got -1"),
+    (["--decode", "-1"], "argument --decode: must be at least 0, got -1"),
+    (["--encode", "-1"], "argument --encode: must be at least 0, got -1"),
+    (["--worker-silence-timeout", "nan"], "argument --worker-silence-timeout: must be a finite "
+                                          "number more than 0, got nan"),
+    (["--local-prefill-tokens", "-1"], "argument --local-prefill-tokens: must be at least 0"),
+    (["--kv-transfer-timeout", "0"], "argument --kv-transfer-timeout: must be more than 0, got 0"),
+    (["--kv-queue-timeout", "-1"], "argument --kv-queue-timeout: must be at least 0, got -1"),
+    (["--request-timeout", "inf"], "argument --request-timeout: must be a finite number at "
+                                   "least 0, got inf"),
+])  # fmt: skip
+def test_a_bad_value_is_refused_when_parsed_naming_the_flag(argv, error, capsys):
+    with pytest.raises(SystemExit) as exit:
+        parse(*argv)
+    assert exit.value.code == 2
+    assert error in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_every_numeric_flag_checks_its_range():
+    """No flag of ferry serve or ferry worker takes any int or float: each has a type that
+    says which (``server.cli``: int_in, positive_number, ...), so a bad value is refused
+    when parsed."""
+    parser = build_parser()
+    for name in ("serve", "worker"):
+        for action in commands(parser)[name]._actions:
+            if action.help != argparse.SUPPRESS:
+                assert action.type not in (int, float), (name, action.option_strings)
+
+
+def test_valid_values_parse_as_before():
+    args = parse("--port", "0", "--internal-port", "65535", "--log-level", "DEBUG",
+                 "--device", "cuda:1", "--dtype", "bfloat16", "--speculative", "draft:/m",
+                 "--num-speculative-tokens", "16", "--seed", "-1", "--block-size", "7",
+                 "--prefill", "0", "--decode", "0", "--kv-queue-timeout", "0")  # fmt: skip
+    assert (args.port, args.internal_port, args.log_level) == (0, 65535, "debug")
+    assert (args.device, args.dtype, args.speculative) == ("cuda:1", "bfloat16", "draft:/m")
+    assert (args.seed, args.block_size, args.prefill, args.kv_queue_timeout) == (-1, 7, 0, 0.0)
+    assert serve.log_config(args).level == "debug"
+    assert serve.engine_config(parse("--block-size", "7")).cache.block_size == 7  # the CPU
+
+
+def test_the_type_helpers_say_what_they_take():
+    assert cli.int_in(0, 9)("9") == 9 and cli.positive_number("0.5") == 0.5
+    for parse_value, text, message in [
+        (cli.tcp_port, "65536", "must be 0-65535, got 65536"),
+        (cli.int_at_least(2), "1", "must be at least 2, got 1"),
+        (cli.int_in(high=3), "4", "must be at most 3, got 4"),
+        (cli.number_at_least(1e-3), "0", "must be at least 0.001, got 0"),
+        (cli.positive_number, "-inf", "must be a finite number more than 0, got -inf"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            parse_value(text)
+    # a ValueError, which argparse words as "invalid int value: 'x'"
+    assert (cli.positive_int.__name__, cli.positive_number.__name__) == ("int", "float")
+    with pytest.raises(ValueError):
+        cli.positive_int("x")
+
+
+def test_port_65535_leaves_no_room_for_the_control_plane():
+    with pytest.raises(ValueError, match="give --internal-port"):
+        serve.server_config(parse("--port", "65535"))
+    assert serve.server_config(parse("--port", "65535", "--internal-port", "9")).control_port == 9
+
+
+def test_a_bad_log_level_in_the_environment_is_one_line(monkeypatch):
+    monkeypatch.setenv("FERRY_LOG_LEVEL", "loud")
+    with pytest.raises(SystemExit, match=r"^ferry: \$FERRY_LOG_LEVEL: unknown log level 'loud'$"):
+        serve.log_config(parse())
+    assert serve.log_config(parse("--log-level", "info")).level == "info"  # the flag wins
+
+
+def test_help_shows_a_default_of_zero():
+    text = " ".join(commands(build_parser())["serve"].format_help().split())
+    assert "(0: never) (default: 0)" in text  # --eplb-interval

@@ -76,6 +76,24 @@ def test_a_bad_value_names_the_flag():
     assert len(run.stderr.splitlines()) == 2
 
 
+@pytest.mark.parametrize("argv, error", [
+    (["serve", "--port", "99999"], "argument --port: must be 0-65535, got 99999"),
+    (["serve", "--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+    (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: must be at least 1, got 0"),
+    (["serve", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+    (["serve", "--kv-cache-memory-gb", "0"], "argument --kv-cache-memory-gb: must be more than 0"),
+    (["worker", "--role", "decode", "--block-size", "0"], "argument --block-size: must be at "
+                                                          "least 1, got 0"),
+])  # fmt: skip
+def test_a_value_the_workers_would_refuse_is_refused_at_once(argv, error):
+    started = time.monotonic()
+    run = ferry(*argv)
+    assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr
+    usage, line = run.stderr.splitlines()
+    assert usage.startswith(f"usage: ferry {argv[0]} ") and error in line, line
+    assert time.monotonic() - started < 10  # the parser alone: no model, no worker
+
+
 def test_version_is_the_installed_packages():
     run = ferry("--version")
     assert run.returncode == 0

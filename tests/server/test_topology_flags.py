@@ -27,9 +27,12 @@ def test_topology_flags():
     assert serve.pd_config(parse("--aggregated")) is None
 
 
-def test_bad_topology_is_refused():
+def test_bad_topology_is_refused(capsys):
+    with pytest.raises(SystemExit):  # when parsed; PDConfig refuses it too
+        parse("--decode", "-1")
+    assert "argument --decode: must be at least 0, got -1" in capsys.readouterr().err
     with pytest.raises(ValueError):
-        serve.pd_config(parse("--decode", "-1"))
+        PDConfig(num_decode=-1)
     with pytest.raises(SystemExit):
         parse("--kv-transport", "pigeon")
 
