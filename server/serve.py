@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -623,14 +624,28 @@ def run(args: argparse.Namespace) -> int:
                                engine.device, engine.dtype, gpu=False)  # fmt: skip
     except ValueError as exc:
         raise SystemExit(f"ferry serve: {exc}") from None
+    check_device(engine.device, pd)
     shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None
     secret = cluster_secret(args, shared)
-    try:
-        listeners = _bind(config)
-    except OSError as exc:
-        raise SystemExit(f"ferry: cannot listen: {exc} (--port / --internal-port pick "
-                         "others)") from None  # fmt: skip
+    listeners = _bind(config)
     return asyncio.run(serve(config, engine, pd, secret, listeners))
+
+
+def check_device(device: str, pd: PDConfig | None) -> None:
+    """Exit with one line when ``--device`` names a GPU that is not there, before anything
+    starts (a frontend that starts no workers needs none)."""
+    if device == "cpu" or (pd and not (pd.num_prefill or pd.num_decode or pd.num_encode)):
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    index = int(device.partition(":")[2] or 0)
+    if not count:
+        raise SystemExit(f"ferry: --device {device}, but no GPU is visible (--device cpu runs "
+                         "on the CPU)")  # fmt: skip
+    if index >= count:
+        raise SystemExit(f"ferry: --device {device}, but {count} GPU(s) are visible: "
+                         f"cuda:0 to cuda:{count - 1}")  # fmt: skip
 
 
 def check_model(spec: str) -> None:
@@ -647,14 +662,40 @@ def check_model(spec: str) -> None:
 
 def _bind(config: ServerConfig) -> tuple[socket.socket, socket.socket]:
     """The public and the control-plane sockets, bound before any model loads (so a taken
-    port fails at once)."""
-    public = socket.create_server((config.host, config.port), reuse_port=False)
+    port or a wrong host fails at once, in one line naming the flag)."""
+    public = _listen(config.host, config.port, "--host", "--port")
     try:
-        control = socket.create_server((config.internal_host, config.control_port))
-    except OSError:
+        control = _listen(config.internal_host, config.control_port, "--internal-host",
+                          "--internal-port" if config.internal_port is not None
+                          else "--internal-port, by default --port + 1,")  # fmt: skip
+    except SystemExit:
         public.close()
         raise
     return public, control
+
+
+def _listen(host: str, port: int, host_flag: str, port_flag: str) -> socket.socket:
+    """A listening socket on ``host:port``; else exit with one line that says which flag
+    to change and how."""
+    hosts = f"{host_flag} 127.0.0.1 listens on this machine only, 0.0.0.0 on every interface"
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return socket.create_server((host, port))
+    except socket.gaierror:
+        problem = f"{host_flag} {host} is neither an address nor a name this machine resolves "
+        problem += f"({hosts})"
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        if exc.errno == errno.EADDRNOTAVAIL:
+            problem = f"{host_flag} {host} is not an address of this machine ({hosts})"
+        elif exc.errno == errno.EADDRINUSE:
+            problem = (f"{reason}; is another ferry serve running? ({port_flag} picks another "
+                       "port, 0 a free one)")  # fmt: skip
+        elif exc.errno == errno.EACCES and 0 < port < 1024:
+            problem = f"{reason}: ports below 1024 need root ({port_flag} picks another)"
+        else:
+            problem = f"{reason} ({host_flag} / {port_flag} pick others)"
+    raise SystemExit(f"ferry: cannot listen on {host}:{port}: {problem}")
 
 
 def _servers(public: Any, control: Any, config: ServerConfig) -> tuple[Any, Any]:

@@ -294,6 +294,39 @@ def test_a_bad_log_level_in_the_environment_is_one_line(monkeypatch):
     assert serve.log_config(parse("--log-level", "info")).level == "info"  # the flag wins
 
 
+@pytest.mark.parametrize("host, problem", [
+    ("999.1.1.1", "--host 999.1.1.1 is neither an address nor a name this machine resolves"),
+    ("192.0.2.1", "--host 192.0.2.1 is not an address of this machine"),  # TEST-NET-1
+])  # fmt: skip
+def test_a_host_that_cannot_be_listened_on_says_which_to_use(host, problem):
+    with pytest.raises(SystemExit) as exit:
+        serve._listen(host, 0, "--host", "--port")
+    message = str(exit.value)
+    assert message.startswith(f"ferry: cannot listen on {host}:0: {problem}")
+    assert "--host 127.0.0.1" in message and "0.0.0.0" in message and "--port" not in message
+
+
+def test_a_taken_control_port_names_its_flag():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match="is another ferry serve running.*--internal-port"):
+            serve._bind(serve.server_config(parse("--port", "0", "--internal-port", str(port))))
+
+
+def test_no_gpu_is_one_line_before_anything_starts(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    pd = serve.pd_config(parse("--device", "cuda", "--kv-transport", "cuda_ipc"))
+    with pytest.raises(SystemExit, match="--device cuda, but no GPU is visible"):
+        serve.check_device("cuda", pd)
+    serve.check_device("cuda", serve.pd_config(parse("--prefill", "0", "--decode", "0")))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match="--device cuda:2, but 2 GPU.s. are visible"):
+        serve.check_device("cuda:2", None)
+    serve.check_device("cuda:1", None)
+
+
 def test_help_shows_a_default_of_zero():
     text = " ".join(commands(build_parser())["serve"].format_help().split())
     assert "(0: never) (default: 0)" in text  # --eplb-interval

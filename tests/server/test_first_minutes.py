@@ -14,9 +14,9 @@ import pytest
 from conftest import ROOT, _ferry_command
 
 
-def ferry(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def ferry(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*_ferry_command(), *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)  # fmt: skip
+                          timeout=timeout, cwd=ROOT, env=env)  # fmt: skip
 
 
 def test_a_taken_port_fails_at_once_before_any_model_loads():
@@ -31,6 +31,7 @@ def test_a_taken_port_fails_at_once_before_any_model_loads():
     out = run.stdout + run.stderr
     assert out.strip().splitlines() == [out.strip()], out  # one line
     assert "cannot listen" in out and "Address already in use" in out
+    assert "is another ferry serve running? (--port picks another port, 0 a free one)" in out
     assert "ferry: starting" not in out and "worker" not in out  # no worker was started
     assert took < 20
 
@@ -92,6 +93,23 @@ def test_a_value_the_workers_would_refuse_is_refused_at_once(argv, error):
     usage, line = run.stderr.splitlines()
     assert usage.startswith(f"usage: ferry {argv[0]} ") and error in line, line
     assert time.monotonic() - started < 10  # the parser alone: no model, no worker
+
+
+def test_a_host_that_is_no_address_is_one_line_suggesting_one():
+    run = ferry("serve", "--host", "999.1.1.1")
+    assert run.returncode == 1 and run.stdout == ""
+    assert run.stderr.splitlines() == [
+        "ferry: cannot listen on 999.1.1.1:8000: --host 999.1.1.1 is neither an address nor a "
+        "name this machine resolves (--host 127.0.0.1 listens on this machine only, 0.0.0.0 on "
+        "every interface)"]
+
+
+def test_no_gpu_is_said_before_anything_starts():
+    run = ferry("serve", "--port", "0", "--device", "cuda",
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    assert run.returncode == 1 and run.stdout == ""  # no "ferry: starting ..." line
+    assert run.stderr.splitlines() == ["ferry: --device cuda, but no GPU is visible (--device "
+                                       "cpu runs on the CPU)"]
 
 
 def test_version_is_the_installed_packages():
