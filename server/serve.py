@@ -488,6 +488,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     sizes = _given(args, block_size="block_size", memory_gb="kv_cache_memory_gb")
     if args.block_size is None and _on_cuda(args):
         sizes["block_size"] = CUDA_BLOCK_SIZE
+    elif _on_cuda(args) and args.block_size & (args.block_size - 1):
+        raise ValueError(f"--block-size {args.block_size}: on CUDA a power of two (16, 32, 64, "
+                         "128, ...), whose blocks the attention kernels' tiles divide")  # fmt: skip
     cache = CacheConfig(**sizes, **_tier_fields(args))
     limits = _given(args, max_num_seqs="max_num_seqs",
                     max_num_batched_tokens="max_num_batched_tokens", max_model_len="max_model_len")
@@ -628,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
     shared = "--redis (workers shared between frontends)" if pd and pd.redis_url else None
     secret = cluster_secret(args, shared)
     listeners = _bind(config)
-    return asyncio.run(serve(config, engine, pd, secret, listeners))
+    return asyncio.run(serve(config, engine, pd, secret, listeners, args.max_model_len))
 
 
 def check_device(device: str, pd: PDConfig | None) -> None:
@@ -748,12 +751,15 @@ def _servers(public: Any, control: Any, config: ServerConfig) -> tuple[Any, Any]
 async def serve(
     config: ServerConfig, engine: EngineConfig, pd: PDConfig | None, secret: str,
     listeners: tuple[socket.socket, socket.socket] | None = None,
+    context_asked: int | None = None,
 ) -> int:  # fmt: skip
     """Start the engines, then serve until SIGINT/SIGTERM; returns the process exit code.
     ``pd``: prefill and decode worker pools; None: one engine process. ``secret``: the
     cluster secret. ``listeners``: the public and control sockets (``_bind``; bound here
-    if not given). The control plane starts listening once the engines are ready. An
-    engine that cannot start is one line (exit code 1), and so is a signal meanwhile."""
+    if not given). ``context_asked``: ``--max-model-len`` as given, said to be cut when
+    the engines serve less. The control plane starts listening once the engines are
+    ready. An engine that cannot start is one line (exit code 1), and so is a signal
+    meanwhile."""
 
     from engine.client import EngineClient
     from router.disagg import DisaggClient
@@ -767,6 +773,8 @@ async def serve(
                   model=engine.model, device=engine.device)  # fmt: skip
     if not await _start(client):
         return 1
+    if cut := context_cut(context_asked, client.max_model_len):
+        logs.announce(cut, level="WARNING", asked=context_asked, context=client.max_model_len)
     app = create_app(config, client)
     server, control = _servers(app, create_control_app(client, secret), config)
     controlling: list[asyncio.Task] = []
@@ -791,6 +799,16 @@ async def serve(
         control.should_exit = True
         await asyncio.gather(watcher, *controlling, return_exceptions=True)
     return 0 if server.started else 1
+
+
+def context_cut(asked: int | None, served: int) -> str | None:
+    """What to say when the engines serve a shorter context than ``--max-model-len``
+    asked for (``asked``; None: not given): the model's own is shorter, or the KV cache
+    (``--kv-cache-memory-gb``) holds less. ``served`` 0: no worker has said yet."""
+    if not asked or not 0 < served < asked:
+        return None
+    return (f"--max-model-len {asked} is more than the model or its KV cache holds; serving "
+            f"a context of {served}")
 
 
 def _what_runs(engine: EngineConfig, pd: PDConfig | None) -> str:

@@ -281,6 +281,12 @@ def test_the_type_helpers_say_what_they_take():
         cli.positive_int("x")
 
 
+def test_a_block_size_on_cuda_is_a_power_of_two():
+    assert serve.engine_config(parse("--device", "cuda", "--block-size", "32")).cache.block_size
+    with pytest.raises(ValueError, match="--block-size 48: on CUDA a power of two"):
+        serve.engine_config(parse("--device", "cuda", "--block-size", "48"))
+
+
 def test_port_65535_leaves_no_room_for_the_control_plane():
     with pytest.raises(ValueError, match="give --internal-port"):
         serve.server_config(parse("--port", "65535"))
@@ -292,6 +298,13 @@ def test_a_bad_log_level_in_the_environment_is_one_line(monkeypatch):
     with pytest.raises(SystemExit, match=r"^ferry: \$FERRY_LOG_LEVEL: unknown log level 'loud'$"):
         serve.log_config(parse())
     assert serve.log_config(parse("--log-level", "info")).level == "info"  # the flag wins
+
+
+def test_a_context_cut_short_is_said():
+    assert serve.context_cut(999999, 8192) == ("--max-model-len 999999 is more than the model "
+                                               "or its KV cache holds; serving a context of 8192")
+    assert serve.context_cut(None, 2048) is None  # not asked: the default
+    assert serve.context_cut(4096, 4096) is None and serve.context_cut(4096, 0) is None
 
 
 @pytest.mark.parametrize("host, problem", [
