@@ -85,6 +85,8 @@ def test_a_bad_value_names_the_flag():
     (["serve", "--kv-cache-memory-gb", "0"], "argument --kv-cache-memory-gb: must be more than 0"),
     (["worker", "--role", "decode", "--block-size", "0"], "argument --block-size: must be at "
                                                           "least 1, got 0"),
+    (["bench", "--url", "http://h", "--rate", "1", "--num-requests", "0"],
+     "argument --num-requests: must be at least 1, got 0"),
 ])  # fmt: skip
 def test_a_value_the_workers_would_refuse_is_refused_at_once(argv, error):
     started = time.monotonic()
