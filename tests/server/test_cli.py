@@ -344,3 +344,13 @@ def test_no_gpu_is_one_line_before_anything_starts(monkeypatch):
 def test_help_shows_a_default_of_zero():
     text = " ".join(commands(build_parser())["serve"].format_help().split())
     assert "(0: never) (default: 0)" in text  # --eplb-interval
+
+
+def test_the_names_checked_when_parsed_are_the_engines():
+    """serve names --dtype's and --speculative's values so as not to import torch; they
+    must stay what the engine takes."""
+    from engine.core import _DTYPES
+    from engine.spec import DRAFTERS
+
+    assert set(serve.DTYPES) == set(_DTYPES)
+    assert {*serve.DRAFTERS, "draft"} == set(DRAFTERS)
