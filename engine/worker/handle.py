@@ -52,8 +52,17 @@ _ROOT = Path(__file__).resolve().parents[2]
 _COPY_BELOW = 1 << 16  # bytes: a frame at least this large is sent without a copy
 
 
-def _ignore_interrupts() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _leave_stopping_to_the_frontend() -> None:
+    """In a spawned worker, from its first instruction: a signal sent to the whole process
+    group (Ctrl-C in a terminal; SIGTERM from systemd's KillMode=control-group, ``timeout``
+    or a runtime that signals the group) is for the frontend. It reaches every process at
+    once: a worker that died of it would leave the requests in flight nothing to finish on
+    while the frontend drains, and its supervisor would see a crash (and restart it)
+    before the frontend had learnt that it is stopping. The frontend stops its workers
+    itself once it has drained, and a worker whose frontend is gone exits
+    (``WorkerConfig.exit_with_parent``)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class WorkerHandle:
@@ -80,6 +89,7 @@ class WorkerHandle:
         self.gc: GcStats | None = None  # its garbage collector's pauses, latest
         self.ready_s = 0.0  # from spawn (or connect) to its ready message
         self.mourned = False  # its death has been handled
+        self.stopping = False  # this frontend is stopping it (``shutdown``): its exit is no news
         self.num_transferring = 0
         self.tokens_per_s = 0.0  # a prefill worker's measured rate
         self.proc: subprocess.Popen | None = None
@@ -128,9 +138,10 @@ class WorkerHandle:
             envs.CLUSTER_SECRET.name: secret,
             **logs.child_environment(),
         }
-        # SIGINT ignored from its first instruction: a Ctrl-C in the terminal is for the
-        # frontend, which stops its workers itself (even while they import and load)
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_interrupts)
+        # SIGINT and SIGTERM ignored from its first instruction, even while it imports and
+        # loads: a signal to the process group is for the frontend, which drains and then
+        # stops its workers itself (``Shutdown``, or a kill once past the wait)
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_leave_stopping_to_the_frontend)
         return await self.connect(address, timeout)
 
     async def connect(self, address: str, timeout: float) -> WorkerReady:
@@ -222,7 +233,7 @@ class WorkerHandle:
                 self.dead = self.dead or f"{self.label} exited with code {self.proc.returncode}"
             elif self.dead is None:
                 self._check_silence(on_silence)
-        log.error("%s", self.dead)
+        log.log(logging.DEBUG if self.stopping else logging.ERROR, "%s", self.dead)
         on_death(self)
 
     def _check_silence(self, on_silence) -> None:
@@ -257,6 +268,7 @@ class WorkerHandle:
     async def shutdown(self) -> None:
         """Stop a spawned worker (one that never became ready is killed: it would not hear
         a Shutdown before its handshake); just disconnect from one that joined elsewhere."""
+        self.stopping = True
         if self.proc is not None and self.proc.poll() is None:
             if self.ready is None:
                 self.proc.kill()

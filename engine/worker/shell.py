@@ -370,8 +370,9 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = msgspec.json.decode(args.config, type=WorkerConfig)
     logs.configure(logs.LogConfig.from_environment(), config.name or config.role)
-    if config.exit_with_parent:  # the frontend stops it: Ctrl-C in its terminal is for that
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if config.exit_with_parent:  # the frontend stops it: a signal to the group is for that
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     secret = envs.CLUSTER_SECRET.get()
     if not secret:
         sys.exit(f"a {role_cls.role} worker needs the cluster secret in "

@@ -1,7 +1,9 @@
-"""Ctrl-C in a terminal (SIGINT to the whole process group) and SIGTERM stop the whole
+"""Ctrl-C in a terminal (SIGINT to the whole process group) and SIGTERM, to the frontend or
+to the whole group (systemd's KillMode=control-group, ``timeout``), stop the whole
 topology cleanly: readiness turns 503 at once, a stream in flight finishes or ends with a
 clean error within the drain timeout, every process exits with one line and no
-traceback. Ctrl-C again while it drains ends the requests in flight at once, as cleanly."""
+traceback, and no worker is taken for dead or restarted meanwhile. Ctrl-C again while it
+drains ends the requests in flight at once, as cleanly."""
 
 from __future__ import annotations
 
@@ -61,19 +63,25 @@ def assert_ended_cleanly(log: str, lines: list[str]) -> None:
         assert "shutting down" in last["error"]["message"]
     assert "ferry: shutting down" in log
     assert log.count("worker") >= 2 and "stopped" in log
+    # the workers leave the signal to the frontend, which stops them: none died of it
+    assert "exited with code" not in log and "restarting" not in log, log
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_the_topology_cleanly(tmp_path, sig):
+@pytest.mark.parametrize("sig, group", [
+    (signal.SIGINT, True),  # what a terminal's Ctrl-C does
+    (signal.SIGTERM, False),  # kill, a container runtime
+    (signal.SIGTERM, True),  # systemd's KillMode=control-group, timeout
+], ids=["ctrl-c", "sigterm", "sigterm-to-the-group"])  # fmt: skip
+def test_a_signal_stops_the_topology_cleanly(tmp_path, sig, group):
     proc, base_url, log_path = start(tmp_path, DRAIN_S)
     try:
         lines: list[str] = []
         reader = stream_in_background(base_url, lines)
         started = time.monotonic()
-        if sig == signal.SIGINT:
-            os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        if group:
+            os.killpg(proc.pid, sig)
         else:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
         assert proc.wait(timeout=DRAIN_S + 30) == 0
         took = time.monotonic() - started
         reader.join(10)
