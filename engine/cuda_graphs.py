@@ -307,8 +307,9 @@ class DecodeGraphs(Buckets):
             return
         self.captured = True
         self._recorder = (kernels, embed)
-        log.info("decode steps replay recorded kernel calls (%d a step; checked in %.2f s)",
-                 len(bucket.program), time.perf_counter() - start)  # fmt: skip
+        # the ready line says the time (graphs); the rest matters to whoever reads the programs
+        log.debug("decode steps replay recorded kernel calls (%d a step; checked in %.2f s)",
+                  len(bucket.program), time.perf_counter() - start)  # fmt: skip
 
     def _record(self, bucket: _Bucket, kernels, embed: torch.nn.Module,
                 check: bool = False) -> str | None:  # fmt: skip

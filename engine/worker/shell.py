@@ -207,8 +207,9 @@ def _announce_ready(config: WorkerConfig, ready: WorkerReady, address: str) -> N
     """What runs here: the worker, its device, its KV cache, how KV moves, its tiers."""
     name = config.name or config.role
     transport = "" if config.role == "engine" else f", KV transport {config.transfer.transport}"
-    if ready.endpoint is not None:
-        transport += f" (receiver {ready.endpoint.address})"
+    receiver = ready.endpoint.address if ready.endpoint is not None else None
+    if receiver is not None:  # a /proc/<pid>/fd path or a port: for whoever debugs transfers
+        log.debug("%s worker %s receives KV at %s", config.role, name, receiver)
     tiers = config.engine.cache.tiers_summary()
     cache = (f"KV cache {logs.size(ready.kv_cache_bytes)} ({ready.num_blocks} blocks of "
              f"{ready.block_size} tokens, context {ready.max_model_len})")  # fmt: skip
@@ -222,7 +223,7 @@ def _announce_ready(config: WorkerConfig, ready: WorkerReady, address: str) -> N
         worker=name, role=config.role, device=ready.device, address=address,
         kv_cache_bytes=ready.kv_cache_bytes, kv_blocks=ready.num_blocks,
         block_size=ready.block_size, transport=config.transfer.transport,
-        tiers=tiers,
+        receiver=receiver, tiers=tiers,
     )  # fmt: skip
 
 
