@@ -769,8 +769,8 @@ async def serve(
     public_sock, control_sock = listeners or _bind(config)
     client = EngineClient(engine, secret) if pd is None else DisaggClient(engine, pd, secret)
     began = time.monotonic()
-    logs.announce(f"starting {_what_runs(engine, pd)}; this takes a while the first time",
-                  model=engine.model, device=engine.device)  # fmt: skip
+    logs.announce(f"starting {_what_runs(engine, pd)}", model=engine.model,
+                  device=engine.device)  # fmt: skip
     if not await _start(client):
         return 1
     if cut := context_cut(context_asked, client.max_model_len):
@@ -812,13 +812,20 @@ def context_cut(asked: int | None, served: int) -> str | None:
 
 
 def _what_runs(engine: EngineConfig, pd: PDConfig | None) -> str:
-    where = f"{engine.model} on {engine.device}"
+    from engine.loader import describe
+
+    where = f"{describe(engine.model)} on {engine.device}"
+    # what only a first start on a machine does (later ones load the kernels it built)
+    once = ("; a first start also builds the GPU kernels (a minute or more; TileLang's cache "
+            "keeps them)" if engine.device.startswith("cuda") else
+            f"; a first start also builds the CPU kernels into {envs.user_cache_dir()}/ferry/"
+            "kernels")  # fmt: skip
     if pd is None:
-        return f"one engine process (--aggregated) for {where}"
+        return f"one engine process (--aggregated) for {where}{once}"
     if not pd.num_prefill and not pd.num_decode:
         return f"a frontend for {where}; workers join it (ferry worker)"
     return (f"{pd.num_prefill} prefill + {pd.num_decode} decode worker(s) for {where}, KV over "
-            f"{pd.transfer.transport}")  # fmt: skip
+            f"{pd.transfer.transport}{once}")  # fmt: skip
 
 
 async def _start(client: Any) -> bool:

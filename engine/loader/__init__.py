@@ -106,6 +106,16 @@ def model_name(spec: str) -> str:
     return path.stem if kind == "gguf" else path.name
 
 
+def describe(spec: str) -> str:
+    """The model and where its weights come from, as the start-up line names it:
+    ``SmolLM2-135M-Instruct.Q4_1 (GGUF /.../SmolLM2-135M-Instruct.Q4_1.gguf)``,
+    ``dummy-tiny (random weights)``."""
+    kind, path = _resolve(spec)
+    if kind == "dummy":
+        return f"{model_name(spec)} (random weights)"
+    return f"{model_name(spec)} ({'GGUF' if kind == 'gguf' else 'Hugging Face folder'} {path})"
+
+
 def model_aliases(spec: str) -> tuple[str, ...]:
     """Names besides ``model_name`` a client may send: the spec itself and, for a
     quantized file, the name without its quantization suffix."""

@@ -14,6 +14,7 @@ from helpers import forward_tokens, hf_named_weights
 from engine.config import ModelConfig
 from engine.loader import (
     default_model_path,
+    describe,
     load_model,
     load_model_config,
     load_tokenizer,
@@ -291,6 +292,13 @@ def test_default_model_path_finds_the_packaged_gguf():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert model_name("default") == "SmolLM2-135M-Instruct.Q4_1"
     assert "SmolLM2-135M-Instruct" in model_aliases("default")
+
+
+def test_the_start_line_names_the_model_and_where_its_weights_come_from(tmp_path):
+    assert describe("default") == f"SmolLM2-135M-Instruct.Q4_1 (GGUF {default_model_path()})"
+    assert describe("dummy:tiny") == "dummy-tiny (random weights)"
+    (tmp_path / "config.json").write_text("{}")
+    assert describe(str(tmp_path)) == f"{tmp_path.name} (Hugging Face folder {tmp_path})"
 
 
 def test_default_model_config_matches_known_facts():

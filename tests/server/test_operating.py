@@ -50,7 +50,9 @@ def test_the_startup_log_names_each_worker_its_device_kv_size_transport_and_tier
         assert float(line.group(1)) > 0 and int(line.group(3)) > 1
         assert "receiver" not in line.group(0)  # a /proc/<pid>/fd path: debug level only
     assert "replay recorded kernel calls" not in log  # the ready line's "graphs" says it
-    starting = log.index("ferry: starting 1 prefill + 1 decode worker(s) for dummy:tiny on cpu")
+    starting = log.index("ferry: starting 1 prefill + 1 decode worker(s) for dummy-tiny (random "
+                         "weights) on cpu, KV over shm; a first start also builds the CPU "
+                         "kernels into ")  # the model, where its weights come from, what once
     ready = re.search(r"^ferry: ready in [\d.]+ s \(/ready answers 200\)$", log, re.MULTILINE)
     assert ready and starting < log.index("ferry: prefill worker p0 ready") < ready.start()
 
