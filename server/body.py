@@ -8,7 +8,9 @@ input turns into a 500 or holds the event loop.
   when a body without one (chunked) streams past it (counted as it arrives, the rest is
   never read). The answer says ``Connection: close``: what the client still sends is
   not read, so the connection cannot carry another request.
-- **400** for anything that is not valid JSON of the model. pydantic parses the bytes
+- **400** for anything that is not valid JSON of the model, each value of its field's
+  JSON type: validation is strict (``"stream": "yes"`` and ``"max_tokens": "5"`` are
+  refused, as OpenAI refuses them, not read as ``true`` and ``5``). pydantic parses the bytes
   itself (jiter): nesting deeper than 200 levels, a lone surrogate (``"\\ud800"``) and
   bytes that are not UTF-8 are invalid JSON there, not a ``RecursionError`` or a
   ``TypeError`` in the tokenizer later; so is a body of more than ``MAX_JSON_VALUES``
@@ -67,7 +69,7 @@ def validate(raw: bytes, model: type[M]) -> M:
             f"Invalid JSON body: more than {MAX_JSON_VALUES} values (commas and colons)"
         )
     try:
-        return model.model_validate_json(raw)
+        return model.model_validate_json(raw, strict=True)
     except ValidationError as exc:
         raise errors.validation_error(exc.errors()) from exc
 

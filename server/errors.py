@@ -119,11 +119,36 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 def _reason(error: Any) -> str:
     """What is wrong, in the check's own words: a ValueError raised by a validator is its
-    message, without pydantic's "Value error, " before it."""
+    message, without pydantic's "Value error, " before it; a value of another JSON type
+    says what was expected and what came (``expected a boolean, got a string``)."""
     cause = (error.get("ctx") or {}).get("error")
     if error.get("type") == "value_error" and isinstance(cause, ValueError):
         return str(cause)
+    expected = _EXPECTED.get(str(error.get("type")))
+    if expected is not None:
+        return f"expected {expected}, got {_json_type(error.get('input'))}"
     return str(error.get("msg"))
+
+
+# pydantic's error types for a value of the wrong JSON type (validation is strict)
+_EXPECTED = {"bool_type": "a boolean", "int_type": "an integer", "float_type": "a number",
+             "string_type": "a string"}  # fmt: skip
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number with a fraction"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "null" if value is None else type(value).__name__
 
 
 # how pydantic names a union's alternatives in an error's location (``stop.str``,

@@ -2,9 +2,14 @@
 ``/v1/completions`` accept and return them.
 
 Requests ignore unknown top-level fields, like OpenAI and vLLM; each unknown name is
-logged once, at debug level (``ferry.server``). Range checks of sampling values are not
-repeated here: ``engine.sampling_params.SamplingParams`` owns them and the serving
-layer turns its ``SamplingError`` into a 400 naming the request's field. What is bounded
+logged once, at debug level (``ferry.server``). A request body's values must be of their
+field's JSON type, as OpenAI checks them (``server.body`` validates it strictly):
+``"stream": "yes"`` or ``"max_tokens": "5"`` is a 400, not read as ``true`` or ``5``. A
+number field takes an integer (``"temperature": 1``), and an integer field a number
+written with a zero fraction (``5.0``), which JSON does not tell apart from ``5``.
+Range checks of sampling values are not repeated here:
+``engine.sampling_params.SamplingParams`` owns them and the serving layer turns its
+``SamplingError`` into a 400 naming the request's field. What is bounded
 here is what would cost the server before any such check: integers fit in 64 bits
 (``Int64``: no 4,300-digit number reaches ``int()`` or ``str()``), ``logit_bias`` keys are
 token ids of at most 10 digits, and one request starts at most ``MAX_CHOICES`` sequences
@@ -21,6 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -41,7 +47,15 @@ MAX_TOKEN_ID_DIGITS = 10  # token ids are below 2**31
 
 MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names logged; later ones are not
 
-Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+
+
+def _whole(value: Any) -> Any:
+    """A number with a zero fraction (``5.0``) as the integer it is; anything else as it
+    came, for the strict integer check (a string or a boolean is refused there)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int64 = Annotated[int, BeforeValidator(_whole), Field(ge=-(2**63), lt=2**63)]
 
 log = logging.getLogger("ferry.server")
 
@@ -232,27 +246,27 @@ class SamplingFields(RequestBody):
     """Fields shared by chat and completions: OpenAI's plus vLLM's common extensions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int64 = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    seed: Int64 | None = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1, lt=2**31)  # -1 or 0: off
+    top_k: Int64 | None = Field(None, ge=-1, lt=2**31)  # -1 or 0: off
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = Field(0, ge=0, lt=2**31)
+    min_tokens: Int64 = Field(0, ge=0, lt=2**31)
     ignore_eos: bool = False
     stop_token_ids: list[Int64] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int64 | None = None
     # ferry: false keeps this request out of speculative decoding (where it is on)
     speculative: bool = True
 

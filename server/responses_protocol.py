@@ -17,6 +17,7 @@ from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field
 
 from server.protocol import (
     ChatTokenLogprob,
+    Int64,
     RequestBody,
     _Request,
     stream_options_need_stream,
@@ -138,10 +139,10 @@ class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Input
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, lt=2**63)  # chat's bound, by this name
+    max_output_tokens: Int64 | None = Field(None, ge=1)  # chat's bound, by this name
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     store: bool = True
@@ -155,10 +156,10 @@ class ResponsesRequest(RequestBody):
     user: str | None = None
     truncation: str | None = None
     # chat's sampling extensions (vLLM's), passed on as they are
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -167,7 +168,7 @@ class ResponsesRequest(RequestBody):
     conversation: Any = None
     prompt: Any = None
     reasoning: dict[str, Any] | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: Int64 | None = None
     context_management: Any = None
 
     @field_validator("stream_options")

@@ -34,6 +34,15 @@ def test_invalid_json_is_400(http):
     assert "JSON" in error["message"]
 
 
+def test_a_value_of_another_json_type_is_400_as_openai_answers(http):
+    for field, value in (("stream", "yes"), ("max_tokens", "5"), ("logprobs", 1)):
+        body = {"messages": QUESTION, field: value}
+        error = _error(http.post("/v1/chat/completions", json=body), 400)
+        assert error["param"] == field and "expected" in error["message"]
+    body = {"messages": QUESTION, "max_tokens": 2, "temperature": 1, "stream": False}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
 def test_schema_violation_is_400_not_422(http):
     error = _error(http.post("/v1/chat/completions", json={"messages": "hello"}), 400)
     assert error["param"] == "messages"

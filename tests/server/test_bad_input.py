@@ -215,11 +215,11 @@ def test_a_client_gone_before_its_body_ends_is_no_server_error(server, http):
 
 @pytest.mark.parametrize(("path", "body", "field", "problem"), [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
-     "messages.0.content.0.text", "Input should be a valid string"),
+     "messages.0.content.0.text", "expected a string, got an integer"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content.0.image_url", "Field required"),
     ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 3}]}]},
-     "input.0.content.0.text", "Input should be a valid string"),
+     "input.0.content.0.text", "expected a string, got an integer"),
 ])  # fmt: skip
 def test_a_content_part_with_a_bad_field_names_the_field(http, path, body, field, problem):
     error = assert_openai_error(http.post(path, json={**body, "max_tokens": 1}), 400)

@@ -8,7 +8,8 @@ import logging
 import pytest
 from pydantic import ValidationError
 
-from server.errors import validation_error
+from server.body import validate
+from server.errors import APIError, validation_error
 from server.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -18,6 +19,7 @@ from server.protocol import (
     OtherPart,
     TextPart,
 )
+from server.responses_protocol import ResponsesRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -208,3 +210,34 @@ def test_a_content_chunk_from_its_template_is_what_the_model_renders(include_usa
         full = renderer._chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=text))])
         assert renderer.content_chunk(index, text) == full
         assert json.loads(full[len("data: "):])["choices"][0]["delta"]["content"] == text
+
+
+@pytest.mark.parametrize("model, field, value, expected", [
+    (ChatCompletionRequest, "stream", "yes", "expected a boolean, got a string"),
+    (ChatCompletionRequest, "logprobs", 1, "expected a boolean, got an integer"),
+    (ChatCompletionRequest, "max_tokens", "5", "expected an integer, got a string"),
+    (ChatCompletionRequest, "n", True, "expected an integer, got a boolean"),
+    (ChatCompletionRequest, "max_tokens", 5.5, "expected an integer, got a number with a fraction"),
+    (ChatCompletionRequest, "temperature", "0.5", "expected a number, got a string"),
+    (CompletionRequest, "echo", "true", "expected a boolean, got a string"),
+    (ResponsesRequest, "max_output_tokens", "5", "expected an integer, got a string"),
+    (ResponsesRequest, "stream", "false", "expected a boolean, got a string"),
+])  # fmt: skip
+def test_a_body_value_of_another_json_type_is_400_naming_the_field(model, field, value,
+                                                                     expected):  # fmt: skip
+    body = {"messages": MESSAGES, "prompt": "hi", "input": "hi", field: value}
+    with pytest.raises(APIError) as info:
+        validate(json.dumps(body).encode(), model)
+    assert info.value.status == 400 and info.value.param == field
+    assert info.value.message == f"{field}: {expected}"
+
+
+def test_json_true_false_and_whole_numbers_pass_the_strict_check():
+    body = {"messages": MESSAGES, "stream": True, "logprobs": False, "temperature": 1,
+            "top_p": 1, "max_tokens": 5.0, "n": 2, "logit_bias": {"7": 1}}  # fmt: skip
+    request = validate(json.dumps(body).encode(), ChatCompletionRequest)
+    assert request.stream is True and request.logprobs is False
+    assert request.temperature == 1.0 and isinstance(request.temperature, float)
+    assert request.max_tokens == 5 and isinstance(request.max_tokens, int)
+    prompt = validate(b'{"prompt": [1.0, 2], "stream": false}', CompletionRequest).prompt
+    assert prompt == [1, 2] and all(type(t) is int for t in prompt)
