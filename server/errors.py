@@ -2,7 +2,9 @@
 
 Handlers installed by ``install_handlers`` turn every failure into that shape with the
 right status: pydantic validation and malformed JSON become 400 (not FastAPI's 422),
-unknown routes 404, anything unexpected 500.
+unknown routes 404 naming the API's routes, a method a route does not take 405 naming
+the one it takes (both ``invalid_request_error``, as OpenAI answers a wrong URL), anything
+unexpected 500.
 """
 
 from __future__ import annotations
@@ -104,8 +106,9 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     if not errors:
         return "Invalid request.", None
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"Invalid JSON body: {first.get('msg', '')}".rstrip(": "), None
+    if first.get("type") == "json_invalid":  # pydantic's "Invalid JSON: <where>"
+        where = str(first.get("msg", "")).removeprefix("Invalid JSON").lstrip(": ")
+        return f"Invalid JSON body: {where}".rstrip(": "), None
     # the deepest first: where a union's every alternative failed, the one that got
     # furthest says what is wrong (``content.0.text``, not "content is not a string")
     errors = sorted(errors, key=lambda err: -len(err.get("loc", ())))
@@ -175,12 +178,31 @@ async def _on_validation(request: Request, exc: RequestValidationError) -> JSONR
 
 
 async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 405:
+        return _method_not_allowed(request, exc).response()
+    if exc.status_code == 404 and exc.detail == HTTPStatus.NOT_FOUND.phrase:  # no such route
+        return _no_route(request).response()
     try:
         phrase = HTTPStatus(exc.status_code).phrase
     except ValueError:
         phrase = "Error"
     detail = exc.detail if isinstance(exc.detail, str) else phrase
     return APIError(detail, exc.status_code, headers=exc.headers).response()  # 405's Allow
+
+
+def _method_not_allowed(request: Request, exc: StarletteHTTPException) -> APIError:
+    allowed = (exc.headers or {}).get("Allow", "")
+    return APIError(f"{request.method} is not allowed on {request.url.path}; use {allowed}.",
+                    405, type="invalid_request_error", headers=exc.headers)  # fmt: skip
+
+
+def _no_route(request: Request) -> APIError:
+    """A 404 that says which API routes there are (every route: ``GET /openapi.json``)."""
+    api = sorted({path for route in request.app.routes
+                  if (path := getattr(route, "path", "")).startswith("/v1/") and "{" not in path})
+    return APIError(f"{request.method} {request.url.path} is not a route of this server; it "
+                    f"serves {', '.join(api)} (GET /openapi.json describes every route).",
+                    404, type="invalid_request_error")  # fmt: skip
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -31,7 +31,8 @@ def test_invalid_json_is_400(http):
                          headers={"Content-Type": "application/json"})  # fmt: skip
     error = _error(response, 400)
     assert error["type"] == "invalid_request_error"
-    assert "JSON" in error["message"]
+    assert error["message"].startswith("Invalid JSON body: ")
+    assert error["message"].count("Invalid JSON") == 1  # pydantic's own prefix left out
 
 
 def test_a_value_of_another_json_type_is_400_as_openai_answers(http):
@@ -175,11 +176,18 @@ def test_health_and_metrics_need_no_key(server):
     assert "ferry_kv_blocks_total" in metrics.text
 
 
-def test_unknown_route_is_404_in_openai_shape(http):
+def test_unknown_route_is_404_in_openai_shape_naming_the_routes(http):
     _error(http.get("/v1/nothing-here"), 404)
+    error = _error(http.post("/v1/embeddings", json={"input": "hi"}), 404)
+    assert error["type"] == "invalid_request_error"
+    message = error["message"]
+    assert message.startswith("POST /v1/embeddings is not a route of this server")
+    assert "/v1/chat/completions" in message and "GET /openapi.json" in message
 
 
 def test_a_method_not_allowed_is_405_saying_which_are(http):
     response = http.get("/v1/chat/completions")
-    _error(response, 405)
+    error = _error(response, 405)
     assert response.headers["allow"] == "POST"
+    assert error["type"] == "invalid_request_error"
+    assert error["message"] == "GET is not allowed on /v1/chat/completions; use POST."

@@ -241,3 +241,11 @@ def test_json_true_false_and_whole_numbers_pass_the_strict_check():
     assert request.max_tokens == 5 and isinstance(request.max_tokens, int)
     prompt = validate(b'{"prompt": [1.0, 2], "stream": false}', CompletionRequest).prompt
     assert prompt == [1, 2] and all(type(t) is int for t in prompt)
+
+
+def test_malformed_json_says_so_once():
+    with pytest.raises(APIError) as info:
+        validate(b'{"messages": [1,,]}', ChatCompletionRequest)
+    message = info.value.message
+    assert message.startswith("Invalid JSON body: ") and message.count("Invalid JSON") == 1
+    assert "line 1 column" in message
