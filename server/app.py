@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -87,6 +88,7 @@ def create_app(config: ServerConfig, client: ServingClient) -> FastAPI:
     app.state.config = config
     app.state.client = client
     app.state.draining = False  # set when the server is shutting down (server.serve)
+    app.state.created = int(time.time())  # the models' ``created``: when this server started
     app.state.metrics = metrics
     app.state.response_store = ResponseStore(config.response_store_size,
                                              config.response_store_ttl_s)  # fmt: skip
@@ -191,7 +193,8 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 def _model_card(request: Request) -> ModelCard:
     serving = _serving(request)
-    return ModelCard(id=serving.model_name, max_model_len=serving.client.max_model_len)
+    return ModelCard(id=serving.model_name, created=request.app.state.created,
+                     max_model_len=serving.client.max_model_len)  # fmt: skip
 
 
 def _event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:

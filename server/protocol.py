@@ -602,7 +602,7 @@ class CompletionResponse(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int  # when the server started: the same on every call
     owned_by: str = "ferry"
     max_model_len: int | None = None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -191,3 +193,11 @@ def test_a_method_not_allowed_is_405_saying_which_are(http):
     assert response.headers["allow"] == "POST"
     assert error["type"] == "invalid_request_error"
     assert error["message"] == "GET is not allowed on /v1/chat/completions; use POST."
+
+
+def test_a_models_created_time_is_the_same_on_every_call(http):
+    first = http.get("/v1/models").json()["data"][0]["created"]
+    time.sleep(1.1)
+    assert http.get("/v1/models").json()["data"][0]["created"] == first
+    card = http.get(f"/v1/models/{http.get('/v1/models').json()['data'][0]['id']}").json()
+    assert card["created"] == first <= time.time()
