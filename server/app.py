@@ -9,8 +9,10 @@ Routes:
 - ``POST /v1/responses`` (JSON or typed SSE events; ``server.responses``), ``GET`` and
   ``DELETE /v1/responses/{id}`` for stored responses,
 - ``GET /v1/models``, ``GET /v1/models/{id}``,
-- ``GET /health`` (liveness: 200 while this process serves; with worker pools, a JSON
-  body lists each worker and whether it is alive), ``GET /ready`` (readiness: 200 while
+- ``GET /health`` (liveness: 200 while this process serves; its JSON body says
+  ``status``, ``ok`` or ``degraded`` while requests cannot be served, and with worker
+  pools lists each worker — its pid, address and start-up, which with an API key only a
+  caller that sends it sees), ``GET /ready`` (readiness: 200 while
   requests can be served and the server is not draining, else 503), ``GET /metrics``,
 - ``GET /openapi.json``: the public routes with their request bodies (``server.openapi``).
 
@@ -115,10 +117,17 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        """Liveness: 200 while this process serves; the body says what runs behind it."""
-        body = request.app.state.client.health()  # with worker pools: each worker
-        if body is None:
-            return Response(status_code=200)
+        """Liveness: 200 while this process serves, without a key (load balancers and
+        probes call it). The body says ``status``; what runs behind it (each worker, its
+        pid, ipc address and start-up) only to a caller that may use the API."""
+        client = request.app.state.client
+        body = {"status": "ok" if client.is_healthy else "degraded"}
+        detail = client.health()  # with worker pools: each worker
+        key = request.app.state.config.api_key
+        if detail is not None and (not key or has_api_key(request.scope, key)):
+            body.update(detail)
+        elif detail is not None:
+            body["detail"] = "the workers: send the API key (Authorization: Bearer <key>)"
         return Response(json.dumps(body), 200, media_type="application/json")
 
     @app.get("/ready")
@@ -235,21 +244,25 @@ async def _wait_for_disconnect(request: Request) -> None:
 # ---- middleware ----------------------------------------------------------------------------
 
 
+def has_api_key(scope: Scope, api_key: str) -> bool:
+    """Whether the request sends ``Authorization: Bearer <api_key>`` (compared in constant
+    time)."""
+    sent = dict(scope["headers"]).get(b"authorization", b"")
+    return secrets.compare_digest(sent, f"Bearer {api_key}".encode())
+
+
 class ApiKeyMiddleware:
     """Rejects ``/v1/*`` requests without ``Authorization: Bearer <api_key>`` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            sent = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(sent, self._expected):
-                response = errors.unauthorized().response()
-                await response(scope, receive, send)
-                return
+        v1 = scope["type"] == "http" and scope["path"].startswith("/v1/")
+        if v1 and not has_api_key(scope, self._api_key):
+            await errors.unauthorized().response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

@@ -56,6 +56,10 @@ class Server:
 
         return openai.OpenAI(base_url=self.v1, api_key=self.api_key, timeout=120, max_retries=0)
 
+    def health(self) -> dict:
+        """``/health`` as a caller with the API key reads it: every worker, its state."""
+        return httpx.get(f"{self.base_url}/health", headers=self.headers, timeout=30).json()
+
     def http(self) -> httpx.Client:
         """An HTTP client on ``/v1`` with the API key; close it (``with``) when done."""
         return httpx.Client(base_url=self.v1, headers=self.headers, timeout=120)

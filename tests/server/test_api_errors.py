@@ -178,6 +178,19 @@ def test_health_and_metrics_need_no_key(server):
     assert "ferry_kv_blocks_total" in metrics.text
 
 
+def test_health_without_the_key_says_only_the_status(server):
+    anonymous = httpx.get(f"{server.base_url}/health")
+    assert anonymous.status_code == 200
+    body = anonymous.json()
+    assert body["status"] == "ok" and "workers" not in body and "API key" in body["detail"]
+    assert "pid" not in anonymous.text and "ipc://" not in anonymous.text
+    wrong = httpx.get(f"{server.base_url}/health", headers={"Authorization": "Bearer wrong"})
+    assert wrong.status_code == 200 and "workers" not in wrong.json()
+    full = server.health()  # with the key: every worker, its pid and address
+    assert full["status"] == "ok" and {"prefill", "decode"} <= {w["role"] for w in full["workers"]}
+    assert all(w["pid"] and w["address"].startswith("ipc://") for w in full["workers"])
+
+
 def test_unknown_route_is_404_in_openai_shape_naming_the_routes(http):
     _error(http.get("/v1/nothing-here"), 404)
     error = _error(http.post("/v1/embeddings", json={"input": "hi"}), 404)

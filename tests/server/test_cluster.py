@@ -24,7 +24,7 @@ def wait_health(base_url: str, status: int, timeout: float = 120.0) -> dict:
     while time.monotonic() < deadline:
         r = httpx.get(f"{base_url}/ready", timeout=5)
         if r.status_code == status:
-            return httpx.get(f"{base_url}/health", timeout=5).json()
+            return httpx.get(f"{base_url}/health", headers=HEADERS, timeout=5).json()
         time.sleep(0.2)
     raise AssertionError(f"/ready never returned {status}: {r.status_code} {r.text}")
 
@@ -83,7 +83,7 @@ def test_two_frontends_on_one_redis_route_alike_and_survive_an_outage(tmp_path, 
             deadline = time.monotonic() + 60
             while len(health["workers"]) < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
-                health = httpx.get(f"{server.base_url}/health").json()
+                health = server.health()
             assert {w["name"] for w in health["workers"]} == {"p0", "d0", "d1"}
         # what A computed, B finds: it routes each prompt to the worker that holds it
         for prompt in prompts[:6]:
@@ -96,11 +96,11 @@ def test_two_frontends_on_one_redis_route_alike_and_survive_an_outage(tmp_path, 
             complete(a, prompt)
             complete(b, prompt)
         for server in (a, b):
-            assert httpx.get(f"{server.base_url}/health").json()["redis"]["connected"] is False
+            assert server.health()["redis"]["connected"] is False
         redis_server.start()
         for server in (a, b):
             deadline = time.monotonic() + 30
-            while not httpx.get(f"{server.base_url}/health").json()["redis"]["connected"]:
+            while not server.health()["redis"]["connected"]:
                 assert time.monotonic() < deadline, "did not reconnect to Redis"
                 time.sleep(0.2)
         time.sleep(3)  # the workers send what they kept, the frontends read on
@@ -117,7 +117,7 @@ def test_a_second_frontend_finds_the_workers_another_one_started_through_redis(
 ):
     shared = ["--redis", redis_server.url, "--kv-tiers", "none", "--threads", "1"]
     with run_server(tmp_path / "a.log", "--model", "dummy:tiny", *shared) as a:
-        names = {w["name"] for w in httpx.get(f"{a.base_url}/health").json()["workers"]}
+        names = {w["name"] for w in a.health()["workers"]}
         assert len(names) == 2 and all("/" in n for n in names)  # unique across frontends
         with run_server(tmp_path / "b.log", "--model", "dummy:tiny", "--prefill", "0",
                         "--decode", "0", *shared, healthy=False) as b:  # fmt: skip
@@ -143,6 +143,6 @@ def test_frontends_and_workers_share_a_redis_behind_a_password_and_tls(
         while len(health["workers"]) < 2 or not health["redis"]["connected"]:
             assert time.monotonic() < deadline, health
             time.sleep(0.2)
-            health = httpx.get(f"{a.base_url}/health").json()
+            health = a.health()
         assert {w["name"] for w in health["workers"]} == {"sp", "sd"}
         assert complete(a, "hello " * 20)["usage"]["completion_tokens"] == 4

@@ -33,7 +33,7 @@ def frontend(tmp_path_factory):
 
 
 def _workers(server) -> dict[str, dict]:
-    return {w["name"]: w for w in httpx.get(f"{server.base_url}/health").json()["workers"]}
+    return {w["name"]: w for w in server.health()["workers"]}
 
 
 def _context(server) -> int:

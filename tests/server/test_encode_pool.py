@@ -75,7 +75,7 @@ def _counter(server, name: str, **labels: str) -> float:
 
 
 def _workers(server, role: str) -> list[dict]:
-    workers = httpx.get(f"{server.base_url}/health", timeout=10).json()["workers"]
+    workers = server.health()["workers"]
     return [w for w in workers if w["role"] == role]
 
 

@@ -76,7 +76,7 @@ async def _all(server, fault=None) -> list[dict]:
 
 
 def _health(server) -> dict:
-    return httpx.get(f"{server.base_url}/health", timeout=30).json()
+    return server.health()
 
 
 def _alive(pid: int) -> bool:

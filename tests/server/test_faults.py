@@ -52,7 +52,7 @@ async def _run_all(server, fault=None) -> list[tuple[str, str | None]]:
 
 
 def _workers(server) -> list[dict]:
-    return httpx.get(f"{server.base_url}/health", timeout=10).json()["workers"]
+    return server.health()["workers"]
 
 
 def test_killed_and_hung_workers_under_32_streams_lose_nothing(tmp_path):

@@ -23,7 +23,7 @@ _TRANSFERRING = re.compile(r'^ferry_worker_requests_transferring\{role="decode",
 
 
 def _decode_pid(server) -> int:
-    health = httpx.get(f"{server.base_url}/health", timeout=10).json()
+    health = server.health()
     (pid,) = [w["pid"] for w in health["workers"] if w["role"] == "decode"]
     return pid
 

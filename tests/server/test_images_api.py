@@ -15,7 +15,6 @@ import io
 import random
 import threading
 
-import httpx
 import pytest
 from conftest import assert_sound, run_server
 from helpers import metric
@@ -118,7 +117,7 @@ def test_an_image_chat_answers_streamed_and_not_through_the_openai_client(epd):
     assert streamed == text
     # the image took its placeholder tokens: far more prompt than the text alone
     assert whole.usage.prompt_tokens > 60
-    health = httpx.get(f"{epd.base_url}/health").json()
+    health = epd.health()
     assert sorted(w["role"] for w in health["workers"]) == ["decode", "encode", "prefill"]
 
 
@@ -270,5 +269,5 @@ def test_fifty_requests_with_random_bad_images_leave_every_worker_healthy(epd):
     assert all(s in (200, 400) for s in statuses)
     text, _ = _answer(epd, chat([data_url(random_image(1, 130, 100))]))
     assert text is not None
-    assert all(w["healthy"] for w in httpx.get(f"{epd.base_url}/health").json()["workers"])
+    assert all(w["healthy"] for w in epd.health()["workers"])
     assert_sound(epd)
