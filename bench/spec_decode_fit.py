@@ -71,7 +71,7 @@ class Step:
 
 
 def read_trace(archive: Path) -> tuple[list[Step], list[dict]]:
-    """The steps of an archive's trace (the warm-up left out) and its JSON's records."""
+    """The steps of an archive's trace (the warm-up and diagnosis left out) and its JSON's records."""
     with tarfile.open(archive) as tar:
         names = tar.getnames()
         trace = next(n for n in names if n.endswith("_trace.jsonl"))
@@ -83,7 +83,7 @@ def read_trace(archive: Path) -> tuple[list[Step], list[dict]]:
     steps = []
     for line in lines[1:]:
         row = dict(zip(header, json.loads(line)))
-        if row["point"] == "warm":
+        if row["point"] in ("warm", "sync", "profiled"):  # the warm-up and the diagnosis
             continue
         workload, c, _ = row["point"].rsplit("-", 2)
         steps.append(Step(row["arm"], workload, int(c), row["tokens"], row["drafts"],
