@@ -79,6 +79,25 @@ def check_rows_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
         expected *= size
 
 
+def check_layer_cache(kv_cache: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+    """Raise ValueError unless a layer's cache has the shape and dtype a step planned for
+    (its first layer's), packed: what a kernel prepared once per step checks per layer."""
+    if kv_cache.shape != shape or kv_cache.dtype != dtype or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} differs from "
+                         f"the step's {tuple(shape)} {dtype} or is not contiguous")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a kernel writes its ``[T, H, D]`` result: ``out`` once checked to be packed
+    and shaped as ``q``, or a new tensor."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype}, expected q's shape "
+                         f"{tuple(q.shape)} and dtype {q.dtype}, contiguous")
+    return out
+
+
 @dataclass(frozen=True)
 class TileLangBuild:
     """How one kernel is built: ``program(*args)`` traced into its TIR function, then lowered
