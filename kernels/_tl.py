@@ -175,6 +175,30 @@ class KernelCache:
     def __len__(self) -> int:
         return len(self._kernels)
 
+    def kept(self, key: Hashable, make: Callable[[Any], TileLangBuild]) -> KeptKernel:
+        """The kernel of ``key`` for something that keeps it past this call (a step's
+        plan): inside ``parallel_builds`` a kernel not built yet is one that does nothing,
+        which must not be kept once the section has built the real one."""
+        return KeptKernel(self, key, make)
+
+
+class KeptKernel:
+    """A ``KernelCache`` kernel held by what calls it many times: the cache's kernel,
+    looked up again while it is still the do-nothing stand-in of a ``parallel_builds``
+    section (a decode graph captured after its dry run must run the built kernel)."""
+
+    __slots__ = ("_cache", "_key", "_make", "_kernel")
+
+    def __init__(self, cache: KernelCache, key: Hashable,
+                 make: Callable[[Any], TileLangBuild]) -> None:  # fmt: skip
+        self._cache, self._key, self._make = cache, key, make
+        self._kernel = cache.get(key, make)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._kernel is _skipped:
+            self._kernel = self._cache.get(self._key, self._make)
+        return self._kernel(*args)
+
 
 def _skipped(*args: Any, **kwargs: Any) -> None:
     """What a kernel not built yet runs inside ``parallel_builds``: nothing."""

@@ -338,7 +338,7 @@ class PagedDecodeStep:
         if max_seq_len is None:
             max_seq_len = block_tables.shape[1] * block_size
         splits = num_splits or choose_num_splits(batch, num_kv_heads, max_seq_len, cfg.block_n)
-        self.kernel = _KERNELS.get(replace(cfg, combine=splits > 1), decode_build)
+        self.kernel = _KERNELS.kept(replace(cfg, combine=splits > 1), decode_build)
         self.q_layout = (q.shape, q.stride(), q.dtype, q.device)
         self.cache_shape = kv_cache.shape
         self.block_tables, self.seq_lens = block_tables, seq_lens

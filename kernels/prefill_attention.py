@@ -266,7 +266,7 @@ class PrefillAttentionStep:
             raise ValueError("block_tables, seq_lens and query_start_loc disagree on the batch")
         cfg = config or default_config(heads, num_kv_heads, dim, kv_cache.shape[1], q.dtype,
                                        scale)  # fmt: skip
-        self.kernel = _KERNELS.get(cfg, prefill_build)
+        self.kernel = _KERNELS.kept(cfg, prefill_build)
         self.q_layout = (q.shape, q.dtype, q.device)
         self.cache_shape = kv_cache.shape
         self.args = (block_tables, seq_lens, query_start_loc, max_query_len)
