@@ -79,6 +79,25 @@ def check_rows_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
         expected *= size
 
 
+def check_layer_cache(kv_cache: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+    """Raise ValueError unless a layer's cache has the shape and dtype a step planned for
+    (its first layer's), packed: what a kernel prepared once per step checks per layer."""
+    if kv_cache.shape != shape or kv_cache.dtype != dtype or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} differs from "
+                         f"the step's {tuple(shape)} {dtype} or is not contiguous")
+
+
+def output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a kernel writes its ``[T, H, D]`` result: ``out`` once checked to be packed
+    and shaped as ``q``, or a new tensor."""
+    if out is None:
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype}, expected q's shape "
+                         f"{tuple(q.shape)} and dtype {q.dtype}, contiguous")
+    return out
+
+
 @dataclass(frozen=True)
 class TileLangBuild:
     """How one kernel is built: ``program(*args)`` traced into its TIR function, then lowered
@@ -155,6 +174,30 @@ class KernelCache:
 
     def __len__(self) -> int:
         return len(self._kernels)
+
+    def kept(self, key: Hashable, make: Callable[[Any], TileLangBuild]) -> KeptKernel:
+        """The kernel of ``key`` for something that keeps it past this call (a step's
+        plan): inside ``parallel_builds`` a kernel not built yet is one that does nothing,
+        which must not be kept once the section has built the real one."""
+        return KeptKernel(self, key, make)
+
+
+class KeptKernel:
+    """A ``KernelCache`` kernel held by what calls it many times: the cache's kernel,
+    looked up again while it is still the do-nothing stand-in of a ``parallel_builds``
+    section (a decode graph captured after its dry run must run the built kernel)."""
+
+    __slots__ = ("_cache", "_key", "_make", "_kernel")
+
+    def __init__(self, cache: KernelCache, key: Hashable,
+                 make: Callable[[Any], TileLangBuild]) -> None:  # fmt: skip
+        self._cache, self._key, self._make = cache, key, make
+        self._kernel = cache.get(key, make)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._kernel is _skipped:
+            self._kernel = self._cache.get(self._key, self._make)
+        return self._kernel(*args)
 
 
 def _skipped(*args: Any, **kwargs: Any) -> None:

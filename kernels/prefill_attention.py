@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._tl import ATTENTION_DTYPES, KernelCache, TileLangBuild, check_tensor, tl_dtype
+from kernels._tl import (
+    ATTENTION_DTYPES,
+    KernelCache,
+    TileLangBuild,
+    check_layer_cache,
+    check_tensor,
+    output_for,
+    tl_dtype,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -219,23 +227,61 @@ def prefill_attention(
 
     ``max_query_len`` is a host int (the grid's size); it must bound every q_len.
     """
-    num_tokens, heads, dim = q.shape
-    check_tensor("q", q, dtype=ATTENTION_DTYPES, ndim=3)
-    check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
-    check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
-    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
-    check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=q.device)
-    if kv_cache.shape[2] != 2 * num_kv_heads * dim:
-        raise ValueError(f"kv_cache width {kv_cache.shape[2]} != 2 * {num_kv_heads} * {dim}")
-    batch = seq_lens.shape[0]
-    if block_tables.shape[0] != batch or query_start_loc.shape[0] != batch + 1:
-        raise ValueError("block_tables, seq_lens and query_start_loc disagree on the batch")
-    cfg = config or default_config(heads, num_kv_heads, dim, kv_cache.shape[1], q.dtype, scale)
-    kernel = _KERNELS.get(cfg, prefill_build)
-    out = torch.empty_like(q)
-    if num_tokens and max_query_len > 0:
-        kernel(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, out)
-    return out
+    step = PrefillAttentionStep(q, kv_cache, block_tables, seq_lens, query_start_loc,
+                                max_query_len=max_query_len, num_kv_heads=num_kv_heads,
+                                scale=scale, config=config)  # fmt: skip
+    return step(q, kv_cache)
+
+
+class PrefillAttentionStep:
+    """``prefill_attention`` of one step, for every layer: its checks and kernel done once
+    from the first layer's ``q`` and cache, so that each layer costs a kernel call. A
+    layer's ``q`` and cache must have the first one's shape and dtype; the output is a new
+    tensor, or ``out``."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        *,
+        max_query_len: int,
+        num_kv_heads: int,
+        scale: float,
+        config: PrefillConfig | None = None,
+    ) -> None:
+        _, heads, dim = q.shape
+        check_tensor("q", q, dtype=ATTENTION_DTYPES, ndim=3)
+        check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
+        check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
+        check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
+        check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1,
+                     device=q.device)  # fmt: skip
+        if kv_cache.shape[2] != 2 * num_kv_heads * dim:
+            raise ValueError(f"kv_cache width {kv_cache.shape[2]} != 2 * {num_kv_heads} * {dim}")
+        batch = seq_lens.shape[0]
+        if block_tables.shape[0] != batch or query_start_loc.shape[0] != batch + 1:
+            raise ValueError("block_tables, seq_lens and query_start_loc disagree on the batch")
+        cfg = config or default_config(heads, num_kv_heads, dim, kv_cache.shape[1], q.dtype,
+                                       scale)  # fmt: skip
+        self.kernel = _KERNELS.kept(cfg, prefill_build)
+        self.q_layout = (q.shape, q.dtype, q.device)
+        self.cache_shape = kv_cache.shape
+        self.args = (block_tables, seq_lens, query_start_loc, max_query_len)
+        self.runs = q.shape[0] > 0 and max_query_len > 0
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if (q.shape, q.dtype, q.device) != self.q_layout or not q.is_contiguous():
+            raise ValueError(f"q {tuple(q.shape)} {q.dtype} differs from the step's "
+                             f"{self.q_layout} or is not contiguous")  # fmt: skip
+        check_layer_cache(kv_cache, self.cache_shape, q.dtype)
+        out = output_for(q, out)
+        if self.runs:
+            self.kernel(q, kv_cache, *self.args, out)
+        return out
 
 
 def prefill_attention_ref(

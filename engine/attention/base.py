@@ -14,13 +14,17 @@ attend over it. Backends are chosen by device and attention kind through the reg
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from engine.config import MLAConfig
 from kvstore.layout import KVCache
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,9 +47,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
-    _token_rows: dict[object, object] = field(
+    _derived: dict[object, Any] = field(
         default_factory=dict, init=False, repr=False, compare=False
-    )  # built once a step (token_rows), never copied to another
+    )  # built once a step (``derived``), never copied to another
 
     @classmethod
     def empty(cls, device: torch.device | str) -> AttentionMetadata:
@@ -102,32 +106,39 @@ class AttentionMetadata:
     def is_pure_decode(self) -> bool:
         return self.max_query_len == 1
 
+    def derived(self, key: Hashable, make: Callable[[], T]) -> T:
+        """What is built from the step once for all its layers (every layer asks): the
+        first call's ``make()``, kept under ``key`` for the step."""
+        value = self._derived.get(key)
+        if value is None:
+            value = self._derived[key] = make()
+        return value
+
     def sequences(self, seqs: tuple[int, ...]) -> tuple[torch.Tensor, AttentionMetadata]:
         """The step cut down to the sequences ``seqs`` (indices in the step, ascending):
         their token rows [N] and their metadata, without slots (a backend stores the
         whole step's KV first). Built once per step, like ``token_rows``."""
-        key = ("sequences", seqs)
-        cached = self._token_rows.get(key)
-        if cached is None:
-            start = np.cumsum([0, *self.query_lens_cpu])
-            rows = np.concatenate([np.arange(start[i], start[i + 1]) for i in seqs])
-            query_lens = [self.query_lens_cpu[i] for i in seqs]
-            seq_lens = [self.seq_lens_cpu[i] for i in seqs]
-            device = self.seq_lens.device
-            index = device_index(seqs, device)
-            cached = self._token_rows[key] = (
-                host_to_device(rows.astype(np.int64), device),
-                AttentionMetadata(
-                    query_start_loc=host_to_device(
-                        np.cumsum([0, *query_lens]).astype(np.int32), device),
-                    seq_lens=self.seq_lens.index_select(0, index),
-                    block_tables=self.block_tables.index_select(0, index),
-                    slot_mapping=self.slot_mapping[:0],
-                    max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-                    query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-                ),
-            )  # fmt: skip
-        return cached
+        return self.derived(("sequences", seqs), lambda: self._sequences(seqs))
+
+    def _sequences(self, seqs: tuple[int, ...]) -> tuple[torch.Tensor, AttentionMetadata]:
+        start = np.cumsum([0, *self.query_lens_cpu])
+        rows = np.concatenate([np.arange(start[i], start[i + 1]) for i in seqs])
+        query_lens = [self.query_lens_cpu[i] for i in seqs]
+        seq_lens = [self.seq_lens_cpu[i] for i in seqs]
+        device = self.seq_lens.device
+        index = device_index(seqs, device)
+        return (
+            host_to_device(rows.astype(np.int64), device),
+            AttentionMetadata(
+                query_start_loc=host_to_device(
+                    np.cumsum([0, *query_lens]).astype(np.int32), device),
+                seq_lens=self.seq_lens.index_select(0, index),
+                block_tables=self.block_tables.index_select(0, index),
+                slot_mapping=self.slot_mapping[:0],
+                max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+                query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+            ),
+        )  # fmt: skip
 
     def token_rows(self, max_query_len: int) -> TokenRows:
         """The new tokens of the sequences with at most ``max_query_len`` of them, each as a
@@ -135,10 +146,8 @@ class AttentionMetadata:
         and including itself, which is the causal mask of its chunk row by row. Built once
         per step (every layer asks) from the host-side fields, copied to the device
         without waiting."""
-        rows = self._token_rows.get(max_query_len)
-        if rows is None:
-            rows = self._token_rows[max_query_len] = TokenRows.of(self, max_query_len)
-        return rows
+        return self.derived(("token rows", max_query_len),
+                            lambda: TokenRows.of(self, max_query_len))  # fmt: skip
 
 
 @dataclass(frozen=True)

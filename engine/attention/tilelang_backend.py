@@ -10,6 +10,10 @@ fills one row of a 64-row query tile and its heads read their KV head each on th
 which took a step of 32 decode rows (1k contexts) beside a 32-token prompt chunk 10.5 ms
 on an H200 at the 8B shape against 5.7 ms for the chunk alone. No host-device
 synchronisation: the kernels' grids are sized from the metadata's host-side fields.
+Each kernel's checks, split count and workspaces are done once a step, kept with its
+metadata (``AttentionMetadata.derived``), so that a layer costs a kernel call: an eager
+step's attention is issued from the host layer by layer, also between the piecewise
+graphs of a step with prefill.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from kernels.norm_rope_cache import write_kv_cache
-from kernels.paged_decode_attention import paged_decode_attention
-from kernels.prefill_attention import prefill_attention
+from kernels.paged_decode_attention import PagedDecodeStep
+from kernels.prefill_attention import PrefillAttentionStep
 from kvstore.layout import KVCache
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -51,29 +55,32 @@ class TileLangBackend(AttentionBackend):
         if split.meta is None:  # no decode row beside the chunks
             return self._prefill(cache, query, meta).to(q.dtype)
         rows, chunks = meta.sequences(split.others)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         n = split.leading
-        if n:  # the decode rows come first (the scheduler's order): slices, one concatenation
-            decoded = self._decode(cache, query[:n], split.meta)
-            return torch.cat((decoded, self._prefill(cache, query[n:], chunks))).to(q.dtype)
-        out = torch.empty_like(query)
+        if n:  # the decode rows come first (the scheduler's order): each part into its rows
+            self._decode(cache, query[:n], split.meta, out[:n])
+            self._prefill(cache, query[n:], chunks, out[n:])
+            return out.to(q.dtype)
         out[split.rows] = self._decode(cache, query[split.rows], split.meta)
         out[rows] = self._prefill(cache, query[rows], chunks)
         return out.to(q.dtype)
 
-    def _decode(self, cache: torch.Tensor, query: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+    def _decode(self, cache: torch.Tensor, query: torch.Tensor, meta: AttentionMetadata,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """One query per sequence (``query`` may be a strided slice of the qkv
-        projection)."""
-        return paged_decode_attention(
+        projection); the kernel's checks and workspaces once a step (``PagedDecodeStep``)."""
+        step = meta.derived((self, "decode"), lambda: PagedDecodeStep(
             query, cache, meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
             num_kv_heads=self.num_kv_heads, scale=self.scale, max_seq_len=meta.max_seq_len,
-        )  # fmt: skip
+        ))  # fmt: skip
+        return step(query, cache, out)
 
-    def _prefill(self, cache: torch.Tensor, query: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-        return prefill_attention(
-            query.contiguous(), cache, meta.block_tables.contiguous(),
-            meta.seq_lens.contiguous(), meta.query_start_loc.contiguous(),
-            max_query_len=meta.max_query_len, num_kv_heads=self.num_kv_heads,
-            scale=self.scale,
-        )  # fmt: skip
+    def _prefill(self, cache: torch.Tensor, query: torch.Tensor, meta: AttentionMetadata,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        query = query.contiguous()
+        step = meta.derived((self, "prefill"), lambda: PrefillAttentionStep(
+            query, cache, meta.block_tables.contiguous(), meta.seq_lens.contiguous(),
+            meta.query_start_loc.contiguous(), max_query_len=meta.max_query_len,
+            num_kv_heads=self.num_kv_heads, scale=self.scale,
+        ))  # fmt: skip
+        return step(query, cache, out)

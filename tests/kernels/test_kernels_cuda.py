@@ -109,6 +109,51 @@ def test_prefill_attention_long_prompt():
     assert rel_error(out, prefill_attention_ref(*args, num_kv_heads=8, scale=p.scale)) <= TOL
 
 
+def test_one_decode_step_serves_every_layer_and_writes_into_out():
+    """``PagedDecodeStep``: sized on the first layer, then each layer's q and cache (their
+    own values, the step's shapes) give what the function gives, into ``out`` when given;
+    another shape is refused rather than read wrongly."""
+    from kernels.paged_decode_attention import PagedDecodeStep, paged_decode_attention_ref
+
+    lens = [1, 300, 1000, 77]
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=128, device="cuda")
+    layers = [make_problem(lens, [1] * len(lens), **kw) for _ in range(3)]
+    first = layers[0]
+    step = PagedDecodeStep(first.q, first.kv_cache, first.block_tables, first.seq_lens,
+                           num_kv_heads=8, scale=first.scale, max_seq_len=max(lens))  # fmt: skip
+    out = torch.empty(len(lens) + 2, 32, 128, dtype=first.q.dtype, device="cuda")
+    for i, layer in enumerate(layers):
+        ref = paged_decode_attention_ref(layer.q, layer.kv_cache, first.block_tables,
+                                         first.seq_lens, num_kv_heads=8, scale=first.scale)
+        got = step(layer.q, layer.kv_cache) if i % 2 else step(layer.q, layer.kv_cache, out[2:])
+        assert rel_error(got, ref) <= TOL, i
+    assert rel_error(out[2:], paged_decode_attention_ref(
+        layers[2].q, layers[2].kv_cache, first.block_tables, first.seq_lens, num_kv_heads=8,
+        scale=first.scale)) <= TOL  # fmt: skip
+    with pytest.raises(ValueError, match="differ"):
+        step(first.q[:2], first.kv_cache)
+
+
+def test_one_prefill_step_serves_every_layer_and_writes_into_out():
+    from kernels.prefill_attention import PrefillAttentionStep, prefill_attention_ref
+
+    lens, q_lens = [300, 50, 129], [257, 1, 128]
+    kw = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=128, device="cuda")
+    layers = [make_problem(lens, q_lens, **kw) for _ in range(2)]
+    first = layers[0]
+    tables = (first.block_tables, first.seq_lens, first.query_start_loc)
+    step = PrefillAttentionStep(first.q, first.kv_cache, *tables, max_query_len=max(q_lens),
+                                num_kv_heads=8, scale=first.scale)  # fmt: skip
+    out = torch.empty_like(first.q)
+    for layer in layers:
+        ref = prefill_attention_ref(layer.q, layer.kv_cache, *tables, num_kv_heads=8,
+                                    scale=first.scale)  # fmt: skip
+        assert step(layer.q, layer.kv_cache, out) is out
+        assert rel_error(out, ref) <= TOL
+    with pytest.raises(ValueError, match="differs"):
+        step(first.q, first.kv_cache[:-1])
+
+
 @pytest.mark.parametrize("hidden", [96, 576, 4096])  # 96: three values a thread
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])
 def test_fused_add_rms_norm(hidden, num_tokens):

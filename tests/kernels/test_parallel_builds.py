@@ -116,3 +116,16 @@ def test_only_the_sections_own_thread_defers_and_sections_do_not_nest(tmp_path):
         thread.join()
         assert builds(tmp_path) == [("compile", "t", True)]  # there, right away
     assert builds(tmp_path)[-1] == ("compile", "inner", True)
+
+
+def test_a_kept_kernel_asked_for_inside_a_section_runs_the_built_one_after_it(tmp_path):
+    """A step's plan made in a dry run (a decode graph's bucket) keeps its kernel past the
+    section: it must not keep the stand-in that runs nothing."""
+    cache, ran = KernelCache(), []
+    with parallel_builds(workers=1):
+        kept = cache.kept((str(tmp_path), "k"), fake_make)
+        kept(ran)
+    assert ran == []
+    kept(ran)
+    kept(ran)
+    assert ran == ["k", "k"] and [a for a, _, _ in builds(tmp_path)] == ["compile"]
