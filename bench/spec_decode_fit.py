@@ -71,7 +71,8 @@ class Step:
 
 
 def read_trace(archive: Path) -> tuple[list[Step], list[dict]]:
-    """The steps of an archive's trace (the warm-up and diagnosis left out) and its JSON's records."""
+    """The steps of an archive's trace (the warm-up and diagnosis left out) and its JSON's
+    records."""
     with tarfile.open(archive) as tar:
         names = tar.getnames()
         trace = next(n for n in names if n.endswith("_trace.jsonl"))
