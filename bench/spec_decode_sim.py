@@ -18,8 +18,8 @@ draws; ``--seed`` draws others); it reports ``rates`` as its confidence; the dra
 the first wrong one are right again, as its are. The plan after a step verifies those
 drafts as placeholders, and the step's tokens are placed after the ones really kept.
 
-Its times (``H200Costs``) are fitted to the trace of
-``bench/results/spec_decode_h200.json`` (llama3-8b in bf16, rates 0.8 .. 0.4, 25k steps)
+Its times (``H200Costs``) are fitted to the trace of b69a605's sweep
+(``bench/results/traces/spec_decode_h200_b69a605.tar.gz``: llama3-8b in bf16, 25k steps)
 by ``bench.spec_decode_fit``: a decode step's forward by CUDA graph bucket up to 256 rows
 (4.2 ms at 1 row, 10 at 256), eager past them at 2.76 ms + 35 us a row; a step with drafts
 adds 0.23 ms of verification and one that proposes 0.25 ms of drafting; steps with prefill
