@@ -1,5 +1,6 @@
 """The engine's handle on the CPU kernels (``kernels.cpu``): built once per user into
-``~/.cache/ferry/kernels`` (``$XDG_CACHE_HOME`` respected), None where they cannot be.
+``envs.cpu_kernels_dir()`` (``~/.cache/ferry/kernels``, ``$XDG_CACHE_HOME`` respected),
+None where they cannot be.
 
 Models and the CPU attention backend ask ``cpu_kernels_for(x)`` before each fused call
 and run torch ops when it says None, so a machine without a C compiler computes the same
@@ -20,7 +21,7 @@ from kernels import cpu
 @functools.cache
 def cpu_kernels() -> cpu.CpuKernels | None:
     """The compiled kernels, or None (no compiler, or it failed: logged once)."""
-    return cpu.load(Path(envs.user_cache_dir()) / "ferry" / "kernels")
+    return cpu.load(Path(envs.cpu_kernels_dir()))
 
 
 def cpu_kernels_for(x: torch.Tensor) -> cpu.CpuKernels | None:

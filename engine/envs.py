@@ -53,6 +53,11 @@ def user_cache_dir() -> str:
     return os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
 
 
+def cpu_kernels_dir() -> str:
+    """Where the CPU kernels are built, once per user: ``ferry/kernels`` in the cache."""
+    return os.path.join(user_cache_dir(), "ferry", "kernels")
+
+
 REGISTRY = {
     v.name: v for v in (API_KEY, CLUSTER_SECRET, DEBUG_INTEGRITY, LOG_LEVEL, LOG_FORMAT, KV_DIR)
 }

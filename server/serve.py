@@ -818,8 +818,7 @@ def _what_runs(engine: EngineConfig, pd: PDConfig | None) -> str:
     # what only a first start on a machine does (later ones load the kernels it built)
     once = ("; a first start also builds the GPU kernels (a minute or more; TileLang's cache "
             "keeps them)" if engine.device.startswith("cuda") else
-            f"; a first start also builds the CPU kernels into {envs.user_cache_dir()}/ferry/"
-            "kernels")  # fmt: skip
+            f"; a first start also builds the CPU kernels into {envs.cpu_kernels_dir()}")
     if pd is None:
         return f"one engine process (--aggregated) for {where}{once}"
     if not pd.num_prefill and not pd.num_decode:
