@@ -8,6 +8,7 @@ from its flags. Nothing is patched on afterwards.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,3 +86,16 @@ class WorkerConfig:
 
     def replace(self, **changes: Any) -> WorkerConfig:
         return dataclasses.replace(self, **changes)
+
+
+def leave_stopping_to_the_frontend() -> None:
+    """In a worker a frontend spawned (``WorkerConfig.exit_with_parent``), from its first
+    instruction: a signal sent to the whole process group (Ctrl-C in a terminal; SIGTERM
+    from systemd's KillMode=control-group, ``timeout`` or a runtime that signals the
+    group) is for the frontend. It reaches every process at once: a worker that died of
+    it would leave the requests in flight nothing to finish on while the frontend drains,
+    and its supervisor would see a crash (and restart it) before the frontend had learnt
+    that it is stopping. The frontend stops its workers itself once it has drained, and a
+    worker whose frontend is gone exits."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)

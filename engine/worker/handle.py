@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -43,26 +42,13 @@ from engine.messages import (
     stats_of,
 )
 from engine.worker.channel import CHALLENGE, FRONTEND, HELLO, PROOF, WORKER
-from engine.worker.config import WorkerConfig
+from engine.worker.config import WorkerConfig, leave_stopping_to_the_frontend
 from kvstore import auth
 
 log = logging.getLogger("ferry.workers")
 
 _ROOT = Path(__file__).resolve().parents[2]
 _COPY_BELOW = 1 << 16  # bytes: a frame at least this large is sent without a copy
-
-
-def _leave_stopping_to_the_frontend() -> None:
-    """In a spawned worker, from its first instruction: a signal sent to the whole process
-    group (Ctrl-C in a terminal; SIGTERM from systemd's KillMode=control-group, ``timeout``
-    or a runtime that signals the group) is for the frontend. It reaches every process at
-    once: a worker that died of it would leave the requests in flight nothing to finish on
-    while the frontend drains, and its supervisor would see a crash (and restart it)
-    before the frontend had learnt that it is stopping. The frontend stops its workers
-    itself once it has drained, and a worker whose frontend is gone exits
-    (``WorkerConfig.exit_with_parent``)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 class WorkerHandle:
@@ -141,7 +127,7 @@ class WorkerHandle:
         # SIGINT and SIGTERM ignored from its first instruction, even while it imports and
         # loads: a signal to the process group is for the frontend, which drains and then
         # stops its workers itself (``Shutdown``, or a kill once past the wait)
-        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_leave_stopping_to_the_frontend)
+        self.proc = subprocess.Popen(cmd, env=env, preexec_fn=leave_stopping_to_the_frontend)
         return await self.connect(address, timeout)
 
     async def connect(self, address: str, timeout: float) -> WorkerReady:

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -33,7 +32,7 @@ from engine.messages import (
     WorkerStats,
 )
 from engine.worker.channel import WorkerChannel
-from engine.worker.config import WorkerConfig
+from engine.worker.config import WorkerConfig, leave_stopping_to_the_frontend
 
 log = logging.getLogger("ferry.worker")
 
@@ -372,8 +371,7 @@ def main(role_cls: type[WorkerRole], argv: list[str] | None = None) -> None:
     config = msgspec.json.decode(args.config, type=WorkerConfig)
     logs.configure(logs.LogConfig.from_environment(), config.name or config.role)
     if config.exit_with_parent:  # the frontend stops it: a signal to the group is for that
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+        leave_stopping_to_the_frontend()
     secret = envs.CLUSTER_SECRET.get()
     if not secret:
         sys.exit(f"a {role_cls.role} worker needs the cluster secret in "
