@@ -39,6 +39,9 @@ concurrency twice over, at least 32, 256-token prompts, 16 out; ``--scale``: as 
 the requests), each arm keeping its ``SpecDecoding`` across points as that run does, after
 the same warm-up.
 
+``--spells STEP:STEPS,..`` runs every decode point with slow spells of the host
+(``SimEngine.slow``) at those steps of its run, as the H200 met one at 128 streams.
+
 Beside tok/s each point counts the steps that sampled but verified no draft, by cause
 (``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
 policy's drafts), ``probe`` (the guard's no-draft probe), ``rest`` (the drafter rested,
@@ -221,6 +224,8 @@ class SimEngine:
     max_tokens: int = 4096
     overlap: bool = True
     seed: int = 0
+    spell_host: float = 2.0  # a slow spell's host times, as many times as usual ...
+    spell_device: float = 1.35  # ... and its device times (``slow``)
 
     def __post_init__(self) -> None:
         kv = KVCacheManager(BlockPool(4 * self.max_seqs + 16, enable_caching=False), 128)
@@ -237,6 +242,14 @@ class SimEngine:
         self._inflight: _Launched | None = None
         self._tokens: dict[str, int] = {}  # the runner's count of each request's tokens
         self._drafted: dict[str, list[int]] = {}  # the drafts made behind the last step
+        self._slow = 0  # steps left of a slow spell
+
+    def slow(self, steps: int) -> None:
+        """The next ``steps`` steps run in a slow spell of the host (``spell_host`` times
+        its usual times, ``spell_device`` times the device's, which waits for it): on the
+        H200 at 128 streams a spell of ~15 steps took a verifying step from 10.6 to 14.2
+        ms of device time and its launch from 5.8 to 11 ms."""
+        self._slow = steps
 
     @property
     def now(self) -> float:
@@ -257,6 +270,8 @@ class SimEngine:
 
     def _host(self, seconds: float) -> float:
         seconds = self._jitter(seconds, self.costs.host_noise)
+        if self._slow:
+            seconds *= self.spell_host
         self.host += seconds
         return seconds
 
@@ -266,10 +281,11 @@ class SimEngine:
         asked = costs.price_step_s + costs.price_s * priced if priced else 0.0
         self._host(costs.plan(plan) + costs.lookup_s * looked_up + asked)
         device = self.costs.device_noise
-        forward = self._jitter(self.costs.forward(plan), device)
-        sample = self._jitter(self.costs.sample(plan), device)
+        slow = self.spell_device if self._slow else 1.0
+        forward = slow * self._jitter(self.costs.forward(plan), device)
+        sample = slow * self._jitter(self.costs.sample(plan), device)
         drafts = self.spec.enabled and plan.propose and any(c.sample for c in plan.chunks)
-        draft = self._jitter(self.costs.draft_s, device) if drafts else 0.0
+        draft = slow * self._jitter(self.costs.draft_s, device) if drafts else 0.0
         start = max(self.host, self.device)
         self._host(costs.issue(plan))
         forward = max(start + forward, self.host) - start  # as the device's clock has it
@@ -335,6 +351,7 @@ class SimEngine:
         """``EngineCore.step``: plan and launch, collect the step in flight, and leave the
         new one running (overlap: its drafts, if any, are made on the device)."""
         outputs = []
+        self._slow = max(self._slow - 1, 0)
         previous, self._inflight = self._inflight, None
         launched = None
         host = self.host
@@ -377,9 +394,15 @@ class Job:
     max_tokens: int
 
 
-def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str) -> dict:
+Spell = tuple[int, int]  # a slow spell: from this step of a point's run, this many steps
+
+
+def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str,
+             spells: Sequence[Spell] = ()) -> dict:  # fmt: skip
     """``bench.spec_decode.run_load`` on the simulated engine: ``jobs``, ``concurrency``
-    at a time (closed loop); output tok/s on the fake clock and the steps by cause."""
+    at a time (closed loop); output tok/s on the fake clock and the steps by cause.
+    ``spells``: the slow spells of the host (``SimEngine.slow``) in this run."""
+    spells = dict(spells)
     spec = engine.spec
     before = _snapshot(spec)
     pending = list(enumerate(jobs))
@@ -392,6 +415,8 @@ def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str)
             rid = f"{tag}-{i}"
             engine.add(rid, job.prompt_len, job.max_tokens)
             live.add(rid)
+        if steps in spells:
+            engine.slow(spells[steps])
         for out in engine.step():
             tokens += len(out.new_token_ids)
             if out.finish_reason is not None:
@@ -451,11 +476,13 @@ def run(
     scale: Callable[[int], int] | int = 1,
     arms_at: Callable[[int], Sequence[str]] | None = None,
     seed: int = 0,
+    spells: Sequence[Spell] = (),
 ) -> list[dict]:
     """Every arm at every point, in the GPU benchmark's order (warm-up first), each arm on
     its own engine and ``SpecDecoding``, kept across points. ``scale(c)``: the workloads
     at ``c`` hold that many times the benchmark's requests (more averages out the draws
-    of short runs); ``arms_at(c)``: the arms that run at ``c`` (default: all)."""
+    of short runs); ``arms_at(c)``: the arms that run at ``c`` (default: all);
+    ``spells``: slow spells of the host at the same steps of every decode point's run."""
     costs = costs or H200Costs()
     specs = arm_specs(arms, lagged=overlap)
     engines = {name: SimEngine(spec, costs, overlap=overlap, seed=seed)
@@ -471,7 +498,8 @@ def run(
             jobs = WORKLOADS[workload](c, times)
             for name, engine in engines.items():
                 if name in names:
-                    rec = run_load(engine, jobs, c, f"{workload}-{c}")
+                    rec = run_load(engine, jobs, c, f"{workload}-{c}",
+                                   spells if workload == "decode" else ())  # fmt: skip
                     records.append({"workload": workload, "concurrency": c, "arm": name, **rec})
     return records
 
@@ -491,9 +519,14 @@ def main() -> None:
     ap.add_argument("--no-overlap", action="store_true", help="plan each step after the last")
     ap.add_argument("--scale", type=int, default=1, help="this many times the requests")
     ap.add_argument("--seed", type=int, default=0, help="the acceptance draws and the jitter")
+    ap.add_argument("--spells", default="", metavar="STEP:STEPS,..",
+                    help="slow spells of the host in every decode point, e.g. 84:12,120:17 "
+                         "(the H200's at 128 streams)")  # fmt: skip
     args = ap.parse_args()
+    spells = [(int(a), int(b)) for a, b in (s.split(":") for s in args.spells.split(",") if s)]
     records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
-                  overlap=not args.no_overlap, scale=args.scale, seed=args.seed)  # fmt: skip
+                  overlap=not args.no_overlap, scale=args.scale, seed=args.seed,
+                  spells=spells)  # fmt: skip
     for rec in records:
         line = (f"{rec['workload']:>14} c={rec['concurrency']:<4} {rec['arm']:>8} "
                 f"{rec['tok_s']:8.0f} tok/s, steps {rec['steps']:4d} verifying "
