@@ -37,7 +37,10 @@
   step's tokens are below its group's median (a long prefill at high load, whose drafts
   then cost a whole step's host wait for a few tokens).
 
-  A group no step has come to for ``stale_after`` steps is forgotten (two always stay),
+  ``forget_idle`` forgets the groups above a size that no step came to lately (the policy
+  asked again after the drafter rested, ``SpecDecoding``); once two groups were measured
+  the estimator stays ready on one. A group no step has come to for ``stale_after``
+  steps is forgotten (two always stay),
   so its size counts as unmeasured again (and is explored again, ``engine.spec.policy``):
   the first steps of a size pay one-time costs (a kernel compiled, a GEMM's plan made:
   20-110 ms a step of the CPU's tiny model, ~1 ms after), and a group they made dear was
@@ -114,6 +117,8 @@ class ForwardTimeEstimator:
         self.min_group = min_group
         self.stale_after = stale_after
         self._added = 0  # samples taken so far
+        self._seeded = False  # two groups had samples once: a group forgotten since leaves
+        # the estimator ready on the one it keeps (``forget_idle``)
         self._last: dict[tuple[bool, int], int] = {}  # per group: its latest sample's number
         self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
         self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
@@ -139,6 +144,27 @@ class ForwardTimeEstimator:
             for _, old in stale[: max(len(self._groups) - 2, 0)]:
                 del self._groups[old], self._last[old]
                 self._group_points.pop(old, None)
+
+    def forget_idle(self, tokens: int, decode: bool, steps: int) -> int:
+        """Forget the groups of this kind above a step of ``tokens`` tokens that no step
+        came to in the last ``steps`` steps (two groups always stay); how many went. A
+        verdict of no drafts asked again after the drafter rested that long
+        (``SpecDecoding``): priced from the samples they had, the sizes with drafts
+        would be priced as they were before the rest, so the verdict would only repeat
+        itself, and sizes made dear by a slow spell of the host would never run again
+        (``engine.spec.policy`` explores a forgotten size once more, the smallest first;
+        one larger size kept dear, the line to it would keep the smaller from looking
+        worth exploring). The step's own size stays, so the estimator stays ready."""
+        size = graph_size(tokens)
+        idle = [key for key, last in self._last.items()
+                if key[0] == decode and key[1] > size and self._added - last >= steps]  # fmt: skip
+        idle = idle[: max(len(self._groups) - 1, 0)]
+        for key in idle:
+            del self._groups[key], self._last[key]
+            self._group_points.pop(key, None)
+        if idle:
+            self._points = self._cache = None
+        return len(idle)
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:
@@ -180,7 +206,9 @@ class ForwardTimeEstimator:
     @property
     def ready(self) -> bool:
         kinds = self._kind_points()
-        return len(kinds[False]) + len(kinds[True]) >= 2
+        groups = len(kinds[False]) + len(kinds[True])
+        self._seeded = self._seeded or groups >= 2
+        return groups >= 2 or (self._seeded and groups >= 1)
 
     def measured(self, tokens: int, decode: bool = False) -> bool:
         """Whether the group of a step of ``tokens`` tokens of this kind has samples (of

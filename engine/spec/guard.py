@@ -20,24 +20,38 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   overlap state: the plan a step with drafts leaves unhidden, the overlap one without
   builds up).
 - Samples are kept per *regime*: the step's graph size of sampling chunks (its batch)
-  and whether it holds prefill; per regime and mode, the last ``GUARD_WINDOW`` samples,
-  whose rate is their tokens over their seconds.
-- The decision, per regime: once both modes have ``GUARD_MIN_SAMPLES``, speculation is
-  allowed iff its rate is at least the other's; before that the policy decides alone.
+  and whether it holds prefill.
+- The decision, per regime, compares the modes *side by side*: where a run of steps of
+  one mode gives way to the other (a probe, the policy's own choice), the last
+  ``PAIR_SAMPLES`` samples before the switch and the first ``PAIR_SAMPLES`` after make
+  one *pair*, whose gain is the log of the drafts' rate over the other's. Once a regime
+  has ``GUARD_MIN_PAIRS`` pairs, speculation is allowed iff the median gain of its last
+  ``PAIRS_KEPT`` is at least 0; before that the policy decides alone. Side by side, a
+  slow spell of the host or longer contexts late in a wave weigh on both modes alike:
+  compared as each mode's own window (its latest samples, whenever they were taken), a
+  spell of ~15 slow steps on the H200 at 128 streams of the 8B shape, all of them
+  verifying drafts, put the drafts' window under the rate steps without drafts had
+  reached before it, and the guard blocked drafts that paid 7 % for the rest of the run
+  (their mode, no longer run, was never measured again but for a probe in 256 steps).
 - A *ceiling* on the rate without drafts: every step without drafts (a switch too, or one
   after the engine idled) gives its tokens and its device time (``record_device``); a
   step's wall time is never below its device time, so those tokens over those seconds
   are the most that mode can reach in the regime. Speculation measured ``DECISIVE_RATIO``
-  above the ceiling is ahead without a sample of the other mode.
-- Probes keep both measured: every ``PROBE_EVERY`` steps of a regime (every
-  ``WARM_PROBE_EVERY`` while a mode lacks samples; ``DECISIVE_SPACING`` times rarer while
+  above the ceiling (its last ``GUARD_WINDOW`` samples) is ahead without a pair.
+- Probes make the pairs: every ``PROBE_EVERY`` steps of a regime (every
+  ``WARM_PROBE_EVERY`` while it has too few pairs; ``DECISIVE_SPACING`` times rarer while
   one mode is ahead by ``DECISIVE_RATIO``, where a probe costs the most and tells the
-  least — speculation ahead of the ceiling counts, samples or not) the mode not favoured
+  least — speculation ahead of the ceiling counts, pairs or not) the mode not favoured
   runs for ``PROBE_STEPS`` steps (the first of which, a switch, is not a sample): no
-  drafts while speculation is favoured, the policy's choice while it is not. So at most
-  ``PROBE_STEPS / WARM_PROBE_EVERY`` of the steps are probes while a regime warms up and
-  ``PROBE_STEPS / PROBE_EVERY`` after; where drafts win by far (small batches), a regime
-  warms up with no probe.
+  drafts while speculation is favoured, the policy's choice while it is not. A probe
+  makes two pairs (into it and out of it). So at most ``PROBE_STEPS / WARM_PROBE_EVERY``
+  of the steps are probes while a regime warms up and ``PROBE_STEPS / PROBE_EVERY`` after;
+  where drafts win by far (small batches), a regime warms up with no probe. A probe also
+  falls due early (not within ``WARM_PROBE_EVERY`` steps of the last) when the latest
+  ``PAIR_SAMPLES`` samples of the mode that runs fall under the other mode's rate in the
+  latest pair, where neither mode is ahead by ``DECISIVE_RATIO``: what runs may have
+  changed (the policy verifying more drafts than when the pair was made) or the host
+  slowed down; a pair made now says which.
 - While speculation is favoured, the guard is asked (``allow``) only about steps the
   policy verifies drafts in: a step it verifies none in runs without drafts anyway (a
   sample of that mode, no probe needed), so it neither counts towards a probe nor is one;
@@ -51,6 +65,8 @@ choose *how many* drafts (the policy does), only whether the policy's choice may
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -61,9 +77,12 @@ PROBE_EVERY = 64  # steps of a regime between two probes once both modes are mea
 DECISIVE_RATIO = 1.25  # a mode ahead by this ratio is probed against DECISIVE_SPACING x rarer
 DECISIVE_SPACING = 4
 WARM_PROBE_EVERY = 8  # ... while a mode has fewer than GUARD_MIN_SAMPLES samples
-PROBE_STEPS = 2  # steps a probe runs (its first one is a switch: not a sample)
-GUARD_WINDOW = 32  # samples kept per regime and mode
-GUARD_MIN_SAMPLES = 4  # samples of each mode before the guard decides
+PROBE_STEPS = 3  # steps a probe runs (its first one is a switch: not a sample)
+GUARD_WINDOW = 32  # samples kept per regime and mode (the drafts' rate against the ceiling)
+GUARD_MIN_SAMPLES = 4  # ... before that rate counts
+PAIR_SAMPLES = 4  # samples on either side of a switch that one pair compares
+PAIRS_KEPT = 8  # pairs per regime the decision takes the median of
+GUARD_MIN_PAIRS = 3  # pairs before the guard decides
 MAX_GAP_FACTOR = 20.0  # an interval past this many times the step's device time: a stall
 
 
@@ -100,10 +119,20 @@ class _Window:
 class _Regime:
     samples: dict[bool, _Window] = field(default_factory=lambda: {False: _Window(),
                                                                   True: _Window()})  # fmt: skip
+    mode: bool | None = None  # the mode of the latest samples (the current run)
+    tail: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAIR_SAMPLES))
+    # the run before the latest switch: its mode and its last samples' tokens and seconds,
+    # until the samples after the switch complete the pair
+    before: tuple[bool, int, float] | None = None
+    after: int = 0  # samples of the current run in that pair so far
+    gains: deque[float] = field(default_factory=lambda: deque(maxlen=PAIRS_KEPT))
     steps: int = 0
     probe_left: int = 0
     probe_mode: bool = False
     due: bool = False  # a probe fell due on a step the guard was not asked about (``tick``)
+    # or early: the current run fell under the other mode's rate in the latest pair
+    paired: dict[bool, float] = field(default_factory=dict)  # each mode's rate there
+    probed: int = 0  # ``steps`` when the latest probe began
     device: _Window = field(default_factory=_Window)
 
 
@@ -127,7 +156,8 @@ class RealizedGainGuard:
         return r
 
     def rate(self, key: tuple[int, bool], speculated: bool) -> float | None:
-        """Realized tokens per second of a mode in a regime (None: too few samples)."""
+        """Realized tokens per second of a mode in a regime, its last ``GUARD_WINDOW``
+        samples (None: too few samples)."""
         r = self._regimes.get(key)
         if r is None or len(r.samples[speculated]) < GUARD_MIN_SAMPLES:
             return None
@@ -139,11 +169,19 @@ class RealizedGainGuard:
         r = self._regimes.get(key)
         return None if r is None else r.device.rate()
 
+    def gain(self, key: tuple[int, bool]) -> float | None:
+        """The median log of the drafts' rate over the other mode's, side by side (None:
+        fewer than ``GUARD_MIN_PAIRS`` pairs)."""
+        r = self._regimes.get(key)
+        if r is None or len(r.gains) < GUARD_MIN_PAIRS:
+            return None
+        return statistics.median(r.gains)
+
     def favours(self, key: tuple[int, bool]) -> bool:
-        """Whether speculation is allowed outside probes (True until both modes are
-        measured)."""
-        spec, plain = self.rate(key, True), self.rate(key, False)
-        return spec is None or plain is None or spec >= plain
+        """Whether speculation is allowed outside probes (True until the regime has its
+        pairs)."""
+        gain = self.gain(key)
+        return gain is None or gain >= 0.0
 
     def allow(self, key: tuple[int, bool]) -> bool:
         """Whether the step being planned may verify the policy's drafts."""
@@ -158,6 +196,7 @@ class RealizedGainGuard:
         if r.steps % every == 0 or r.due:
             r.due = False
             r.probe_mode, r.probe_left = not favoured, PROBE_STEPS - 1
+            r.probed = r.steps
             self.probes += 1
             return r.probe_mode
         if not favoured:
@@ -165,14 +204,13 @@ class RealizedGainGuard:
         return favoured
 
     def _every(self, key: tuple[int, bool]) -> int:
-        spec, plain = self.rate(key, True), self.rate(key, False)
-        if spec is not None and plain is None:
-            ceiling = self.ceiling(key)
-            if ceiling is not None and spec >= DECISIVE_RATIO * ceiling:
+        gain = self.gain(key)
+        if gain is None:
+            spec, ceiling = self.rate(key, True), self.ceiling(key)
+            if spec is not None and ceiling is not None and spec >= DECISIVE_RATIO * ceiling:
                 return PROBE_EVERY * DECISIVE_SPACING  # ahead of the best no drafts can do
-        if spec is None or plain is None:
             return WARM_PROBE_EVERY
-        if max(spec, plain) >= DECISIVE_RATIO * min(spec, plain):
+        if abs(gain) >= math.log(DECISIVE_RATIO):
             return PROBE_EVERY * DECISIVE_SPACING
         return PROBE_EVERY
 
@@ -195,7 +233,41 @@ class RealizedGainGuard:
         self._last_mode = speculated
         if switched or seconds <= 0:
             return
-        self._get(key).samples[speculated].append(tokens, seconds)
+        r = self._get(key)
+        r.samples[speculated].append(tokens, seconds)
+        if r.mode is not None and speculated != r.mode:  # the other mode, side by side
+            if r.before is not None and r.after:  # a short run: its pair as it stands
+                self._pair(r)
+            r.before = (r.mode, sum(t for t, _ in r.tail), sum(s for _, s in r.tail))
+            r.tail.clear()
+            r.after = 0
+        r.mode = speculated
+        r.tail.append((tokens, seconds))
+        if r.before is not None:
+            r.after += 1
+            if r.after >= PAIR_SAMPLES:
+                self._pair(r)
+        elif (len(r.tail) == PAIR_SAMPLES and not r.probe_left
+              and r.steps - r.probed >= WARM_PROBE_EVERY
+              and len(r.gains) >= GUARD_MIN_PAIRS
+              and abs(statistics.median(r.gains)) < math.log(DECISIVE_RATIO)):  # fmt: skip
+            other = r.paired.get(not speculated)
+            now = sum(t for t, _ in r.tail) / sum(s for _, s in r.tail)
+            if other is not None and now < other:
+                r.due = True  # under the other mode's latest rate: a pair now tells
+
+    @staticmethod
+    def _pair(r: _Regime) -> None:
+        """The samples before the latest switch against those after it: one gain."""
+        assert r.before is not None
+        mode, tokens, seconds = r.before
+        after = list(r.tail)[-r.after :]
+        rates = {mode: tokens / seconds,
+                 not mode: sum(t for t, _ in after) / sum(s for _, s in after)}  # fmt: skip
+        if rates[False] > 0 and rates[True] > 0:
+            r.gains.append(math.log(rates[True] / rates[False]))
+            r.paired = rates
+        r.before, r.after = None, 0
 
     def record_device(self, key: tuple[int, bool], tokens: int, seconds: float) -> None:
         """A step of this regime without drafts yielded ``tokens`` in ``seconds`` of

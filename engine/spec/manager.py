@@ -44,7 +44,14 @@ measured step size (``DynamicPolicy.sure``; not while its cost model seeds, nor 
 step's own size never ran), or the guard's veto — lets the drafter rest for
 ``rest_steps`` steps of the same regime (batch graph size, prefill or not): none after
 the first such verdict in a row, then 2, 4, .. up to ``QUIET_STEPS`` (128) as it repeats;
-a step whose drafts the policy chose and the guard let run starts the count again. So
+a step whose drafts the policy chose and the guard let run starts the count again (not
+one that only explores a size never measured: it says nothing yet). When a decode regime's
+rest ends, the verdict is checked rather than repeated (``VerifyPolicy.recheck``): the
+step sizes above the regime's that no step came to during the rest are forgotten, so the
+policy explores them once more. Priced from what they were before the rest, the verdict
+could only repeat itself, and on the H200 at 128 streams a slow spell of the host while
+every step verified a draft a request left that size priced 35 % over its worth, and no
+drafts verified for the rest of the run, where they paid 7 %. So
 one noisy choice at small batch costs a step, not a rest, and at high load, where the
 verdict never changes, the policy is asked about once every 128 steps. A step of another
 regime ends the rest, unless that regime's own latest verdicts were no drafts too (the
@@ -221,6 +228,9 @@ class SpecDecoding:
             return [0] * len(candidates)
         self._resumed = False
         self._quiet = 0  # a rest of a regime whose drafts paid lately: asked again
+        zeros = self._zeros.get(key, 0)
+        if decode and zeros > 1:  # after a rest: the verdict is checked, not repeated
+            self.policy.recheck(base_tokens, decode, rest_steps(zeros))
         guard = self.guard
         if guard is None or guard.favours(key):
             # the policy first: a step it verifies no draft in is the guard's concern only
@@ -230,8 +240,8 @@ class SpecDecoding:
                 self._go_quiet(key, getattr(self.policy, "sure", True))
             elif guard is not None and not self._allow(key):
                 return [0] * len(candidates)  # a probe without drafts: the policy not asked
-            else:
-                self._zeros.pop(key, None)  # drafts pay here: the next zero rests no step
+            elif not explored:  # drafts pay here: the next zero rests no step (an
+                self._zeros.pop(key, None)  # exploration says nothing yet: the count stays)
             self._count(lengths, explored)
             return lengths
         if self._allow(key):  # a probe of the policy's drafts

@@ -117,6 +117,11 @@ class VerifyPolicy(ABC):
     def graphs(self, rows: int) -> None:  # noqa: B027
         """Decode steps of up to ``rows`` rows replay CUDA graphs (flat inside a bucket)."""
 
+    def recheck(self, tokens: int, decode: bool, rested: int) -> None:  # noqa: B027
+        """A verdict of no drafts on steps of ``tokens`` tokens of this kind is asked again
+        after ``rested`` steps without drafts: what it knows of the larger steps, none of
+        which ran since, is to be measured again."""
+
 
 class FixedPolicy(VerifyPolicy):
     name = "fixed"
@@ -153,6 +158,9 @@ class DynamicPolicy(VerifyPolicy):
 
     def graphs(self, rows: int) -> None:
         self.cost.forward.graph_rows = rows
+
+    def recheck(self, tokens: int, decode: bool, rested: int) -> None:
+        self.cost.forward.forget_idle(tokens, decode, rested)
 
     def lengths(self, step: VerifyStep) -> list[int]:
         if not self.cost.ready:
