@@ -21,7 +21,9 @@ drafts as placeholders, and the step's tokens are placed after the ones really k
 Its times (``H200Costs``) are fitted to the trace of b69a605's sweep
 (``bench/results/traces/spec_decode_h200_b69a605.tar.gz``: llama3-8b in bf16, 25k steps)
 by ``bench.spec_decode_fit``: a decode step's forward by CUDA graph bucket up to 256 rows
-(4.2 ms at 1 row, 10 at 256), eager past them at 2.76 ms + 35 us a row; a step with drafts
+(4.2 ms at 1 row, 10 at 256; the verify steps' graphs from 320 to 512 rows, which that
+sweep ran eagerly, extrapolated: 28 us a row more), eager past them at 2.76 ms + 35 us a
+row; a step with drafts
 adds 0.23 ms of verification and one that proposes 0.25 ms of drafting; steps with prefill
 eager, 2.36 ms + 23 us a token and, holding drafts, 1.49 ms + 33 us a draft more (at least
 6.2 ms), their kernels issued by the host one by one in 6 ms while the device runs them, 8
@@ -83,6 +85,12 @@ class H200Costs:
         (1, 4.23e-3), (2, 4.45e-3), (4, 4.84e-3), (8, 4.90e-3), (16, 5.02e-3),
         (32, 5.52e-3), (64, 5.64e-3), (128, 6.70e-3), (256, 9.95e-3),
     )  # fmt: skip
+    # the verify steps' graphs past 256 rows (``engine.cuda_graphs.DEFAULT_BUCKETS``), which
+    # the sweep fitted ran eagerly: not measured, the 256-row graph plus 28 us a row (the
+    # eager steps past it grew by 30-32 us a row)
+    verify_graph_s: tuple[tuple[int, float], ...] = (
+        (320, 11.74e-3), (384, 13.53e-3), (448, 15.33e-3), (512, 17.12e-3),
+    )  # fmt: skip
     eager_s: float = 2.76e-3  # a decode step past the graphs: this + per row
     eager_row_s: float = 34.6e-6
     mixed_s: float = 2.36e-3  # a step with prefill: this + per token + per draft
@@ -110,15 +118,20 @@ class H200Costs:
     device_noise: float = 0.02  # each device time times exp(N(0, this))
     host_noise: float = 0.10  # each host time times exp(N(0, this))
 
+    @property
+    def graphs(self) -> tuple[tuple[int, float], ...]:
+        """Every decode graph bucket's forward, verify steps' included."""
+        return self.graph_s + self.verify_graph_s
+
     def replayed(self, plan: StepPlan) -> bool:
         """Whether a CUDA graph replays the step (decode, within the largest bucket)."""
-        return plan.is_decode and plan.num_tokens <= self.graph_s[-1][0]
+        return plan.is_decode and plan.num_tokens <= self.graphs[-1][0]
 
     def forward(self, plan: StepPlan) -> float:
         rows = plan.num_tokens
         if self.replayed(plan):
-            sizes = [b for b, _ in self.graph_s]
-            return self.graph_s[bisect.bisect_left(sizes, rows)][1]
+            graphs = self.graphs
+            return graphs[bisect.bisect_left([b for b, _ in graphs], rows)][1]
         if plan.is_decode:
             return max(self.eager_floor_s, self.eager_s + self.eager_row_s * rows)
         drafts = plan.num_draft_tokens
@@ -232,7 +245,7 @@ class SimEngine:
         config = SchedulerConfig(max_num_seqs=self.max_seqs,
                                  max_num_batched_tokens=self.max_tokens)  # fmt: skip
         self.scheduler = Scheduler(config, kv, 4096, self.spec)
-        self.spec.graphs(self.costs.graph_s[-1][0])  # as EngineCore tells it on CUDA
+        self.spec.graphs(self.costs.graphs[-1][0])  # as EngineCore tells it on CUDA
         self.clock = self.spec.clock if isinstance(self.spec.clock, Clock) else Clock()
         self.spec.clock = self.clock
         self.rng = random.Random(self.seed)

@@ -180,8 +180,8 @@ class EngineCore:
                                                        CPU_BUCKETS, capture=False)  # fmt: skip
         if device == "cuda" and not config.enforce_eager:
             if decodes and (experts is None or experts.dispatcher.capturable):
-                graphs = self.runner.capture_decode_graphs(sched.max_num_seqs, self.max_model_len,
-                                                           capture=False)  # fmt: skip
+                graphs = self.runner.capture_decode_graphs(self._graph_rows(sched),
+                                                           self.max_model_len, capture=False)
             elif decodes:
                 log.info("decode steps run eagerly: the %s cannot be captured",
                          type(experts.dispatcher).__name__)  # fmt: skip
@@ -209,6 +209,13 @@ class EngineCore:
         if drafts is not None:
             drafts.capture()
         self.startup["graphs"] = time.perf_counter() - captured - (compile_seconds() - compiled)
+
+    def _graph_rows(self, sched: SchedulerConfig) -> int:
+        """The most rows a decode graph replays: a step of every sequence, and with
+        speculation a verify step's drafts too (a row each), up to the largest bucket."""
+        rows = sched.max_num_seqs * (1 + self.scheduler.spec.max_draft)
+        rows = min(rows, sched.max_num_batched_tokens, DEFAULT_BUCKETS[-1])
+        return max(sched.max_num_seqs, rows)
 
     def _draft_rows(self, sched: SchedulerConfig) -> int:
         """The most rows the drafter's graphs take: a verify step's, each request its

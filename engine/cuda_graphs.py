@@ -53,7 +53,11 @@ from kernels.cpu import Program, Recording
 
 log = logging.getLogger("ferry.cuda_graphs")
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# past 256 rows: the verify steps of speculative decoding (each request's token and its
+# drafts, a row each), captured only where a step can hold that many rows
+# (``EngineCore._graph_rows``). Eager, a verify step of 512 rows of the 8B shape took 19.7
+# ms on the H200 where the graphs' 25-30 us a row past 256 rows (10.6 ms) come to ~17.5
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 320, 384, 448, 512)
 # on the CPU a padding row costs what a real one does in every product, and a program is
 # cheap to record: finer buckets
 CPU_BUCKETS = (*range(1, 9), 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256)

@@ -160,6 +160,38 @@ def test_cuda_graph_decode_logits_match_eager(lengths):
 
 
 @needs_cuda
+def test_cuda_graphs_past_256_rows_match_eager():
+    """The buckets past 256 rows, for the verify steps of speculative decoding (a row per
+    draft): a step of 300 rows replays the 320-row graph as an eager step computes it."""
+    eager, _ = make_runner("cuda", torch.bfloat16, blocks=1024)
+    graphed, _ = make_runner("cuda", torch.bfloat16, blocks=1024)
+    graphs = graphed.capture_decode_graphs(max_batch=512, max_seq_len=1024)
+    assert graphs.captured and graphs.sizes[-4:] == (320, 384, 448, 512)
+    assert lockstep_logits_error(eager, graphed, [20] * 300, steps=3) < 1e-2
+
+
+@needs_cuda
+def test_a_speculating_engine_captures_graphs_for_its_verify_steps():
+    """With speculation a decode step holds each request's drafts as rows: the engine's
+    graphs reach its sequences times one plus the drafts, up to 512 rows; without, its
+    sequences."""
+    from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+    from engine.core import EngineCore
+
+    def largest(speculative: SpeculativeConfig) -> int:
+        core = EngineCore(EngineConfig(
+            model="dummy:tiny", device="cuda", dtype="bfloat16", speculative=speculative,
+            cache=CacheConfig(block_size=128, memory_gb=0.25),
+            scheduler=SchedulerConfig(max_num_seqs=96, max_num_batched_tokens=2048,
+                                      max_model_len=1024)))  # fmt: skip
+        return core.runner.graphs.sizes[-1]
+
+    assert largest(SpeculativeConfig()) == 96
+    assert largest(SpeculativeConfig(method="ngram", num_speculative_tokens=3)) == 384
+    assert largest(SpeculativeConfig(method="ngram", num_speculative_tokens=5)) == 512
+
+
+@needs_cuda
 def test_cuda_graph_greedy_generation_matches_eager():
     eager, _ = make_runner("cuda", torch.bfloat16, blocks=512)
     graphed, _ = make_runner("cuda", torch.bfloat16, blocks=512)

@@ -394,11 +394,11 @@ def test_forward_estimator_prices_steps_with_prefill_along_their_measured_line()
     is priced along the line between the points on either side, not flat at the median
     (which made drafts added to a long prefill look free)."""
     est = ForwardTimeEstimator(min_group=3)
-    for tokens, seconds in ((64, 0.010), (300, 0.018), (400, 0.020), (500, 0.022)) * 3:
-        est.add(tokens, seconds)  # groups 64 and 512 (median 400 tokens, 20 ms)
+    for tokens, seconds in ((64, 0.010), (1100, 0.018), (1400, 0.020), (1700, 0.022)) * 3:
+        est.add(tokens, seconds)  # groups 64 and 2048 (median 1400 tokens, 20 ms)
     assert est.time(64) == pytest.approx(0.010)
-    assert est.time(300) == pytest.approx(0.010 + 0.010 * (300 - 64) / (400 - 64))
-    assert est.time(300) < est.time(350) < est.time(400) == pytest.approx(0.020)
+    assert est.time(1100) == pytest.approx(0.010 + 0.010 * (1100 - 64) / (1400 - 64))
+    assert est.time(1100) < est.time(1200) < est.time(1400) == pytest.approx(0.020)
     assert est.time(32) == pytest.approx(0.010)  # below every point: the smallest's time
 
 
