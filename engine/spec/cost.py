@@ -9,8 +9,11 @@
   to the captured size, eagerly past it) or not (a step with prefill: eager, its cost
   growing with its tokens); the graph size is the CUDA graph bucket a decode step of that
   many rows replays (on the CPU the same power-of-two groups). Each group keeps its last
-  ``group_window`` samples and gives a point (median tokens, median time), so an outlier
-  step moves nothing and a group follows a regime change within a few steps.
+  ``group_window`` (48) samples and gives a point (median tokens, median time), so an
+  outlier step moves nothing, a slow spell of the host shorter than half the window
+  leaves the median where it was (on the H200 at 128 streams one of ~17 steps lifted a
+  24-sample median by a third, and the size it priced was no longer chosen), and a
+  group follows a lasting change within half the window's steps.
 
   ``time(tokens, decode)`` prices a step from its own kind's points, and never more
   cheaply than what was measured. Decode steps (graphs by bucket):
@@ -111,7 +114,7 @@ PRUNE_EVERY = 32  # steps between two looks for such groups
 class ForwardTimeEstimator:
     """Forward time per step size and kind (module docstring)."""
 
-    def __init__(self, group_window: int = 24, min_group: int = 3,
+    def __init__(self, group_window: int = 48, min_group: int = 3,
                  stale_after: int = STALE_AFTER) -> None:  # fmt: skip
         self.group_window = group_window
         self.min_group = min_group
