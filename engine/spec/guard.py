@@ -48,8 +48,10 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   of the steps are probes while a regime warms up and ``PROBE_STEPS / PROBE_EVERY`` after;
   where drafts win by far (small batches), a regime warms up with no probe. A probe also
   falls due early (not within ``WARM_PROBE_EVERY`` steps of the last) when the latest
-  ``PAIR_SAMPLES`` samples of the mode that runs fall under the other mode's rate in the
-  latest pair, where neither mode is ahead by ``DECISIVE_RATIO``: what runs may have
+  ``PAIR_SAMPLES`` samples of the mode that runs fall ``EARLY_MARGIN`` under the other
+  mode's rate in the latest pair, where neither mode is ahead by ``DECISIVE_RATIO``
+  (without the margin, the noise of steps of two modes about as fast as each other
+  called a probe every few steps): what runs may have
   changed (the policy verifying more drafts than when the pair was made) or the host
   slowed down; a pair made now says which.
 - While speculation is favoured, the guard is asked (``allow``) only about steps the
@@ -83,6 +85,7 @@ GUARD_MIN_SAMPLES = 4  # ... before that rate counts
 PAIR_SAMPLES = 4  # samples on either side of a switch that one pair compares
 PAIRS_KEPT = 8  # pairs per regime the decision takes the median of
 GUARD_MIN_PAIRS = 3  # pairs before the guard decides
+EARLY_MARGIN = 0.05  # how far under the other mode's rate a run falls before an early probe
 MAX_GAP_FACTOR = 20.0  # an interval past this many times the step's device time: a stall
 
 
@@ -253,7 +256,7 @@ class RealizedGainGuard:
               and abs(statistics.median(r.gains)) < math.log(DECISIVE_RATIO)):  # fmt: skip
             other = r.paired.get(not speculated)
             now = sum(t for t, _ in r.tail) / sum(s for _, s in r.tail)
-            if other is not None and now < other:
+            if other is not None and now * (1.0 + EARLY_MARGIN) < other:
                 r.due = True  # under the other mode's latest rate: a pair now tells
 
     @staticmethod

@@ -46,9 +46,11 @@ step's own size never ran), or the guard's veto — lets the drafter rest for
 the first such verdict in a row, then 2, 4, .. up to ``QUIET_STEPS`` (128) as it repeats;
 a step whose drafts the policy chose and the guard let run starts the count again (not
 one that only explores a size never measured: it says nothing yet). When a decode regime's
-rest ends, the verdict is checked rather than repeated (``VerifyPolicy.recheck``): the
-step sizes above the regime's that no step came to during the rest are forgotten, so the
-policy explores them once more. Priced from what they were before the rest, the verdict
+rest of at least ``RECHECK_AFTER`` steps ends, the verdict is checked rather than repeated
+(``VerifyPolicy.recheck``): the step sizes above the regime's that no step came to during
+the rest are forgotten, so the policy explores them once more (after every rest, where
+drafts do not pay, the explorations and their switches of mode cost 6 % at 256 streams on
+an H100). Priced from what they were before the rest, the verdict
 could only repeat itself, and on the H200 at 128 streams a slow spell of the host while
 every step verified a draft a request left that size priced 35 % over its worth, and no
 drafts verified for the rest of the run, where they paid 7 %. So
@@ -90,6 +92,7 @@ from engine.spec.guard import MAX_GAP_FACTOR, RealizedGainGuard
 from engine.spec.policy import POLICIES, VerifyPolicy, VerifyStep
 
 QUIET_STEPS = 128  # the longest rest: steps of a regime the drafter rests (``rest_steps``)
+RECHECK_AFTER = 8  # a rest this long or longer ends in a check of its verdict (docstring)
 
 
 def rest_steps(zeros: int) -> int:
@@ -228,9 +231,9 @@ class SpecDecoding:
             return [0] * len(candidates)
         self._resumed = False
         self._quiet = 0  # a rest of a regime whose drafts paid lately: asked again
-        zeros = self._zeros.get(key, 0)
-        if decode and zeros > 1:  # after a rest: the verdict is checked, not repeated
-            self.policy.recheck(base_tokens, decode, rest_steps(zeros))
+        rested = rest_steps(self._zeros.get(key, 0))
+        if decode and rested >= RECHECK_AFTER:  # the verdict is checked, not repeated
+            self.policy.recheck(base_tokens, decode, rested)
         guard = self.guard
         if guard is None or guard.favours(key):
             # the policy first: a step it verifies no draft in is the guard's concern only
