@@ -145,8 +145,15 @@ def add_config_flag(p: argparse.ArgumentParser) -> None:
                    "given on the command line override it (server.topology)")  # fmt: skip
 
 
+def log_level(value: str) -> str:
+    """A level's name in any case; ``warn`` is ``warning``, as ``$FERRY_LOG_LEVEL`` and
+    ``logging`` take it."""
+    value = value.lower()
+    return "warning" if value == "warn" else value
+
+
 def add_log_flags(group: Any) -> None:
-    group.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, metavar="LEVEL",
+    group.add_argument("--log-level", type=log_level, choices=LOG_LEVELS, metavar="LEVEL",
                        help=f"{', '.join(LOG_LEVELS)} (default: ${envs.LOG_LEVEL.name} or "
                             f"{envs.LOG_LEVEL.default})")  # fmt: skip
     group.add_argument("--log-format", choices=FORMATS,

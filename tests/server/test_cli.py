@@ -301,6 +301,13 @@ def test_a_bad_log_level_in_the_environment_is_one_line(monkeypatch):
     assert serve.log_config(parse("--log-level", "info")).level == "info"  # the flag wins
 
 
+def test_the_log_level_flag_takes_warn_as_the_environment_does(monkeypatch):
+    monkeypatch.setenv("FERRY_LOG_LEVEL", "warn")
+    assert serve.log_config(parse()).level == "warn"
+    assert parse("--log-level", "WARN").log_level == "warning"
+    assert serve.log_config(parse("--log-level", "warn")).level == "warning"
+
+
 def test_a_context_cut_short_is_said():
     assert serve.context_cut(999999, 8192) == ("--max-model-len 999999 is more than the model "
                                                "or its KV cache holds; serving a context of 8192")
