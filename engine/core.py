@@ -213,9 +213,7 @@ class EngineCore:
     def _graph_rows(self, sched: SchedulerConfig) -> int:
         """The most rows a decode graph replays: a step of every sequence, and with
         speculation a verify step's drafts too (a row each), up to the largest bucket."""
-        rows = sched.max_num_seqs * (1 + self.scheduler.spec.max_draft)
-        rows = min(rows, sched.max_num_batched_tokens, DEFAULT_BUCKETS[-1])
-        return max(sched.max_num_seqs, rows)
+        return max(sched.max_num_seqs, min(self._draft_rows(sched), sched.max_num_batched_tokens))
 
     def _draft_rows(self, sched: SchedulerConfig) -> int:
         """The most rows the drafter's graphs take: a verify step's, each request its

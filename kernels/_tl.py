@@ -68,6 +68,21 @@ def check_tensor(
         raise ValueError(f"{name}: on {t.device}, expected {device}")
 
 
+def check_paged_cache(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, num_kv_heads: int,
+) -> None:  # fmt: skip
+    """Raise ValueError unless ``kv_cache`` is a paged cache of ``q``'s dtype and device,
+    ``[blocks, block_size, 2 * num_kv_heads * D]`` for ``q``'s head dim D, with int32
+    ``block_tables`` (rank 2) and ``seq_lens`` (rank 1) beside it."""
+    check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
+    check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
+    dim = q.shape[-1]
+    if kv_cache.shape[2] != 2 * num_kv_heads * dim:
+        raise ValueError(f"kv_cache width {kv_cache.shape[2]} != 2 * {num_kv_heads} * {dim}")
+
+
 def check_rows_contiguous(name: str, t: torch.Tensor, ndim: int) -> None:
     """Raise ValueError unless every dim but the first is packed (the first may stride)."""
     if t.dim() != ndim:

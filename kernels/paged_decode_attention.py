@@ -27,8 +27,8 @@ from kernels._tl import (
     KernelCache,
     TileLangBuild,
     check_layer_cache,
+    check_paged_cache,
     check_rows_contiguous,
-    check_tensor,
     output_for,
     tl_dtype,
 )
@@ -325,12 +325,8 @@ class PagedDecodeStep:
         check_rows_contiguous("q", q, 3)
         if q.dtype not in ATTENTION_DTYPES:
             raise ValueError(f"q: dtype {q.dtype}, expected one of {ATTENTION_DTYPES}")
-        check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
-        check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
-        check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
+        check_paged_cache(q, kv_cache, block_tables, seq_lens, num_kv_heads)
         block_size = kv_cache.shape[1]
-        if kv_cache.shape[2] != 2 * num_kv_heads * dim:
-            raise ValueError(f"kv_cache width {kv_cache.shape[2]} != 2 * {num_kv_heads} * {dim}")
         if block_tables.shape[0] != batch or seq_lens.shape[0] != batch:
             raise ValueError("block_tables and seq_lens must have one row per query")
         cfg = config or default_config(heads, num_kv_heads, dim, block_size, q.dtype, scale,

@@ -23,6 +23,7 @@ from kernels._tl import (
     KernelCache,
     TileLangBuild,
     check_layer_cache,
+    check_paged_cache,
     check_tensor,
     output_for,
     tl_dtype,
@@ -254,13 +255,9 @@ class PrefillAttentionStep:
     ) -> None:
         _, heads, dim = q.shape
         check_tensor("q", q, dtype=ATTENTION_DTYPES, ndim=3)
-        check_tensor("kv_cache", kv_cache, dtype=q.dtype, ndim=3, device=q.device)
-        check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=q.device)
-        check_tensor("seq_lens", seq_lens, dtype=torch.int32, ndim=1, device=q.device)
+        check_paged_cache(q, kv_cache, block_tables, seq_lens, num_kv_heads)
         check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1,
                      device=q.device)  # fmt: skip
-        if kv_cache.shape[2] != 2 * num_kv_heads * dim:
-            raise ValueError(f"kv_cache width {kv_cache.shape[2]} != 2 * {num_kv_heads} * {dim}")
         batch = seq_lens.shape[0]
         if block_tables.shape[0] != batch or query_start_loc.shape[0] != batch + 1:
             raise ValueError("block_tables, seq_lens and query_start_loc disagree on the batch")

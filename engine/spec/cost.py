@@ -144,13 +144,11 @@ class ForwardTimeEstimator:
             # the stale ones, oldest first, while two groups stay (``ready`` needs two)
             stale = sorted((n, k) for k, n in self._last.items()
                            if self._added - n > self.stale_after)  # fmt: skip
-            for _, old in stale[: max(len(self._groups) - 2, 0)]:
-                del self._groups[old], self._last[old]
-                self._group_points.pop(old, None)
+            self._forget([old for _, old in stale[: max(len(self._groups) - 2, 0)]])
 
     def forget_idle(self, tokens: int, decode: bool, steps: int) -> int:
         """Forget the groups of this kind above a step of ``tokens`` tokens that no step
-        came to in the last ``steps`` steps (two groups always stay); how many went. A
+        came to in the last ``steps`` steps (one group always stays); how many went. A
         verdict of no drafts asked again after the drafter rested that long
         (``SpecDecoding``): priced from the samples they had, the sizes with drafts
         would be priced as they were before the rest, so the verdict would only repeat
@@ -162,12 +160,16 @@ class ForwardTimeEstimator:
         idle = [key for key, last in self._last.items()
                 if key[0] == decode and key[1] > size and self._added - last >= steps]  # fmt: skip
         idle = idle[: max(len(self._groups) - 1, 0)]
-        for key in idle:
+        self._forget(idle)
+        return len(idle)
+
+    def _forget(self, keys: list[tuple[bool, int]]) -> None:
+        """Drop these groups and what was derived from them."""
+        for key in keys:
             del self._groups[key], self._last[key]
             self._group_points.pop(key, None)
-        if idle:
+        if keys:
             self._points = self._cache = None
-        return len(idle)
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:

@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.spec.cost import graph_size
@@ -124,9 +124,9 @@ class _Regime:
                                                                   True: _Window()})  # fmt: skip
     mode: bool | None = None  # the mode of the latest samples (the current run)
     tail: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PAIR_SAMPLES))
-    # the run before the latest switch: its mode and its last samples' tokens and seconds,
-    # until the samples after the switch complete the pair
-    before: tuple[bool, int, float] | None = None
+    # the run before the latest switch: its mode and its last samples' rate, until the
+    # samples after the switch complete the pair
+    before: tuple[bool, float] | None = None
     after: int = 0  # samples of the current run in that pair so far
     gains: deque[float] = field(default_factory=lambda: deque(maxlen=PAIRS_KEPT))
     steps: int = 0
@@ -241,7 +241,7 @@ class RealizedGainGuard:
         if r.mode is not None and speculated != r.mode:  # the other mode, side by side
             if r.before is not None and r.after:  # a short run: its pair as it stands
                 self._pair(r)
-            r.before = (r.mode, sum(t for t, _ in r.tail), sum(s for _, s in r.tail))
+            r.before = (r.mode, _rate(r.tail))
             r.tail.clear()
             r.after = 0
         r.mode = speculated
@@ -251,22 +251,18 @@ class RealizedGainGuard:
             if r.after >= PAIR_SAMPLES:
                 self._pair(r)
         elif (len(r.tail) == PAIR_SAMPLES and not r.probe_left
-              and r.steps - r.probed >= WARM_PROBE_EVERY
-              and len(r.gains) >= GUARD_MIN_PAIRS
-              and abs(statistics.median(r.gains)) < math.log(DECISIVE_RATIO)):  # fmt: skip
-            other = r.paired.get(not speculated)
-            now = sum(t for t, _ in r.tail) / sum(s for _, s in r.tail)
-            if other is not None and now * (1.0 + EARLY_MARGIN) < other:
+              and r.steps - r.probed >= WARM_PROBE_EVERY):  # fmt: skip
+            gain, other = self.gain(key), r.paired.get(not speculated)
+            if (gain is not None and abs(gain) < math.log(DECISIVE_RATIO) and other is not None
+                    and _rate(r.tail) * (1.0 + EARLY_MARGIN) < other):  # fmt: skip
                 r.due = True  # under the other mode's latest rate: a pair now tells
 
     @staticmethod
     def _pair(r: _Regime) -> None:
         """The samples before the latest switch against those after it: one gain."""
         assert r.before is not None
-        mode, tokens, seconds = r.before
-        after = list(r.tail)[-r.after :]
-        rates = {mode: tokens / seconds,
-                 not mode: sum(t for t, _ in after) / sum(s for _, s in after)}  # fmt: skip
+        mode, rate = r.before
+        rates = {mode: rate, not mode: _rate(list(r.tail)[-r.after :])}
         if rates[False] > 0 and rates[True] > 0:
             r.gains.append(math.log(rates[True] / rates[False]))
             r.paired = rates
@@ -277,3 +273,12 @@ class RealizedGainGuard:
         device time (``ceiling``)."""
         if seconds > 0:
             self._get(key).device.append(tokens, seconds)
+
+
+def _rate(samples: Iterable[tuple[int, float]]) -> float:
+    """Tokens over seconds of (tokens, seconds) samples, every second positive."""
+    tokens = seconds = 0.0
+    for t, sec in samples:
+        tokens += t
+        seconds += sec
+    return tokens / seconds
