@@ -43,7 +43,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, ForwardContext
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardContext,
+    padded_tables,
+)
 from engine.cpu_kernels import cpu_kernels
 from engine.models.base import CausalLM
 from engine.models.quant import decode_rows
@@ -224,8 +229,8 @@ class DecodeGraphs(Buckets):
         positions = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
         host64[1, :n] = positions if offsets is None else positions + np.asarray(offsets)
         seq_lens[:n] = positions + 1
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.block_ids)] = c.block_ids
+        if n:
+            tables[:n] = padded_tables([c.block_ids for c in chunks], self.max_blocks)
         bs = self.block_size
         host64[2, :n] = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
         host64[2, n:] = NULL_SLOT

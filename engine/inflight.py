@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionMetadata, device_index, host_to_device, move_back
+from engine.attention.base import (
+    AttentionMetadata,
+    device_indices,
+    host_to_device,
+    move_back,
+)
 from engine.request import UNRESOLVED, draft_index
 from engine.sampler import PendingTokens, VerifiedTokens
 
@@ -73,7 +78,7 @@ class LeftBehind:
 
     def source(self, like: torch.Tensor) -> torch.Tensor:
         """Every token left on the device, as one flat tensor to index: the sampled ones,
-        the verified ones (``verified_at``), the drafts (``draft_at``), then a 0 (its last
+        the verified ones (``verified_at``), the drafts (``_sources``), then a 0 (its last
         element: padding, or a draft the drafter had no room for, which any token
         verifies exactly)."""
         parts = [t.reshape(-1) for t in (self.plain_tokens, self.verified and self.verified.tokens,
@@ -87,14 +92,6 @@ class LeftBehind:
     def verified_at(self, request_id: str) -> int:
         """Where in ``source`` the first token the request's verification yielded is."""
         return self._num_plain + self.verified.groups[self.verify[request_id]].row
-
-    def draft_at(self, request_id: str, j: int) -> int | None:
-        """Where in ``source`` the request's draft ``j`` made behind the step is (None:
-        none made)."""
-        if request_id not in self.drafted or j >= self.drafts.shape[1]:
-            return None
-        verified = 0 if self.verified is None else self.verified.tokens.numel()
-        return self._num_plain + verified + self.drafted[request_id] * self.drafts.shape[1] + j
 
     def resolve(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -120,44 +117,57 @@ class LeftBehind:
         moved = [i for i, rid in enumerate(owners) if rid in self.verify and rid in assumed]
         if not len(where) and not moved:
             return None
-        device = ids.device
         verified = self.verified
-        kept = verified.kept if verified is not None else None
         if len(where):
             flat = self.source(ids)
-            base, groups = np.zeros(len(where), np.int64), np.full(len(where), -1, np.int64)
-            for j, i in enumerate(where):
-                rid, placeholder = owners[i], host_ids[i]
-                if placeholder == UNRESOLVED and rid in self.plain:
-                    base[j] = self.plain[rid]
-                elif placeholder == UNRESOLVED:
-                    groups[j] = self.verify[rid]
-                    base[j] = self.verified_at(rid)  # + its kept count
-                else:
-                    at = self.draft_at(rid, draft_index(placeholder))
-                    base[j] = flat.numel() - 1 if at is None else at
-            index = host_to_device(base, device)
-            bonus = np.flatnonzero(groups >= 0)
-            if len(bonus):
-                at = device_index(bonus.tolist(), device)
-                index[at] += kept[device_index(groups[bonus].tolist(), device)]
-            ids[device_index(where.tolist(), device)] = flat[index]
-        if not moved:
-            return None
+            source, follows = self._sources(host_ids[where], [owners[i] for i in where],
+                                            flat.numel())  # fmt: skip
+        else:
+            source = follows = np.zeros(0, np.int64)
         # the sequence of each row (a CUDA graph's buffers hold more rows than the step)
         seq_of = np.repeat(np.arange(meta.num_seqs), meta.query_lens_cpu)[:n]
-        if len(seq_of) < n or any(meta.query_lens_cpu[seq_of[i]] != 1 for i in moved):
+        if moved and (len(seq_of) < n or any(meta.query_lens_cpu[seq_of[i]] != 1 for i in moved)):
             raise RuntimeError("a request whose drafts are still being verified must run "
                                "one-token rows in the step after")  # fmt: skip
         groups = [self.verify[owners[i]] for i in moved]
-        rejected = (device_index([verified.groups[g].num_draft for g in groups], device)
-                    - kept[device_index(groups, device)])  # fmt: skip
-        rows = device_index(moved, device)
-        move_back(meta, positions, rows, device_index(seq_of[moved], device), rejected,
-                  block_size)  # fmt: skip
-        shift = torch.zeros(n, dtype=torch.long, device=device)
-        shift[rows] = rejected
+        where, source, follows, moved, seqs, groups, drafts = device_indices(
+            ids.device, where, source, follows, moved, seq_of[moved], groups,
+            [verified.groups[g].num_draft for g in groups],
+        )  # fmt: skip
+        if len(where):
+            if verified is not None:  # a 0 past the groups' counts: for those following none
+                source = source + torch.cat((verified.kept, verified.kept.new_zeros(1)))[follows]
+            ids[where] = flat[source]
+        if not len(moved):
+            return None
+        rejected = drafts - verified.kept[groups]
+        move_back(meta, positions, moved, seqs, rejected, block_size)
+        shift = torch.zeros(n, dtype=torch.long, device=ids.device)
+        shift[moved] = rejected
         return shift
+
+    def _sources(self, placeholders: np.ndarray, owners: list[str],
+                 size: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """Per placeholder (of request ``owners[j]``): where its token is in ``source``
+        (``size`` elements), before the kept drafts of the group it follows, and that
+        group (past the groups: it follows none)."""
+        verified = self.verified
+        num_groups = 0 if verified is None else len(verified.groups)
+        plain = np.fromiter((self.plain.get(r, -1) for r in owners), np.int64, len(owners))
+        group = np.fromiter((self.verify.get(r, -1) for r in owners), np.int64, len(owners))
+        drafted = np.fromiter((self.drafted.get(r, -1) for r in owners), np.int64, len(owners))
+        sampled = placeholders == UNRESOLVED
+        follows = np.where(sampled & (plain < 0) & (group >= 0), group, num_groups)
+        firsts = np.array([g.row for g in verified.groups] if verified else [0], np.int64)
+        first = self._num_plain + firsts[group.clip(0, len(firsts) - 1)]
+        source = np.where(plain >= 0, plain, first)  # + the kept count of the group
+        # draft j made behind the step: the last element (a 0) where none was made
+        width = 0 if self.drafts is None else self.drafts.shape[1]
+        j = draft_index(placeholders)
+        made = (drafted >= 0) & (j < width)
+        verified_tokens = 0 if verified is None else verified.tokens.numel()
+        at = np.where(made, self._num_plain + verified_tokens + drafted * width + j, size - 1)
+        return np.where(sampled, source, at), follows
 
     def pending(self, request_ids: list[str], unresolved: frozenset[str], ids: torch.Tensor,
                 before: list[list[int]] | None = None) -> PendingTokens | None:  # fmt: skip

@@ -62,6 +62,7 @@ from engine.attention.base import (
     AttentionMetadata,
     ForwardContext,
     device_index,
+    device_indices,
     host_to_device,
     padded_tables,
 )
@@ -479,16 +480,18 @@ class ModelRunner:
         where a draft made behind the step before is only known (the history of the rows
         after it too: ``_pending``)."""
         states = [self.states[rid] for rid in request_ids]
-        rows = [s.row() for s, g in zip(states, groups) for _ in range(g.num_rows)]
-        owners = [rid for rid, g in zip(request_ids, groups) for _ in range(g.num_rows)]
-        before = [draft_rows[g.row : g.row + j] for g in groups for j in range(g.num_rows)]
+        rows = [row for s, g in zip(states, groups) for row in [s.row()] * g.num_rows]
         mask = build_draft_mask(
             [(s.live_grammar, g.draft_token_ids) for s, g in zip(states, groups)],
             self.sampler.vocab_size,
         )
         at = device_index(draft_rows, self.device)
         drafts = torch.where(at >= 0, self._ids[at.clamp(min=0)], -1)
-        pending = self._pending(owners, unresolved, before)
+        pending = None
+        if any(s.reads_history for s in states):
+            owners = [rid for rid, g in zip(request_ids, groups) for _ in range(g.num_rows)]
+            before = [draft_rows[g.row : g.row + j] for g in groups for j in range(g.num_rows)]
+            pending = self._pending(owners, unresolved, before)
         return self.sampler.verify(logits, rows, mask, groups, drafts, pending)
 
     def _logits(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -689,21 +692,20 @@ class ModelRunner:
                 last_rows.append(last)
                 num_draft.append(chunk.num_draft)
                 bounds.append(chunk.end_pos)
-                group_of.append(groups.get(chunk.request_id, -1))
+                group_of.append(groups.get(chunk.request_id, len(groups)))  # past: none
             first += n
-        device = self.device
-        ids = host_to_device(np.maximum(next_ids, 0), device)  # UNRESOLVED: from the device
+        verified = launched.verified
+        ids, sampled, verified_at, inputs, num_draft, group = device_indices(
+            self.device, np.maximum(next_ids, 0), sampled_rows, verified_rows, last_rows,
+            num_draft, group_of)  # fmt: skip
         if launched.plain is not None:
-            ids[device_index(sampled_rows, device)] = launched.plain.tokens
-        kept = torch.zeros(len(requests), dtype=torch.long, device=device)
-        if launched.verified is not None:
-            ids[device_index(verified_rows, device)] = launched.verified.tokens
-            which = [j for j, g in enumerate(group_of) if g >= 0]
-            if which:
-                kept[device_index(which, device)] = launched.verified.kept[
-                    device_index([group_of[j] for j in which], device)]  # fmt: skip
-        inputs = device_index(last_rows, device)  # each one's input token's row
-        back = device_index(num_draft, device) - kept
+            ids[sampled] = launched.plain.tokens  # UNRESOLVED: from the device
+        if verified is not None:
+            ids[verified_at] = verified.tokens
+            kept = torch.cat((verified.kept, verified.kept.new_zeros(1)))[group]  # past: 0
+        else:
+            kept = torch.zeros_like(num_draft)
+        back = num_draft - kept  # each one's input token's row is ``inputs``
         if self._shift is not None and requests:  # moved back by the step before's rejects
             back += self._shift[inputs]
         step = LaunchStep(chunks, launched.hidden, ids, requests, inputs + kept, back, bounds,

@@ -41,7 +41,9 @@ residual ``q_j`` with ``d`` removed and renormalised, and after ``k`` kept draft
 ``q_k``. The tokens a group yields (kept drafts, then the sampled one) are therefore
 distributed exactly as sampling one token at a time would give them. Logprobs are the raw
 model's of each token yielded, at its row. Two uniforms per row (acceptance, then the draw),
-from the row's generator when it has one.
+from the row's generator when it has one; none when every row is greedy, whose
+verification is an argmax and a comparison (a sampled row's distribution, one-hot, would
+cost a few passes over [rows, V] on the device and some 25 more launches from the host).
 
 Prompt logprobs (``Sampler.prompt_logprobs(logits, targets, k)``): the same raw logprobs of
 *given* tokens, one per row (a prompt position's logits and the prompt token that follows
@@ -72,9 +74,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from engine.attention.base import host_to_device
+from engine.attention.base import device_indices, host_to_device
 from engine.messages import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -264,32 +267,40 @@ class Sampler:
         if sum(g.num_rows for g in groups) != len(rows):
             raise ValueError("draft groups must cover the rows exactly")
         raw = logits[:, : self.vocab_size]
-        probs = target_probs(apply_mask(process_logits(raw, rows, pending), raw, mask), rows)
-        if drafts is None:
-            draft = [-1] * len(rows)  # each row's next draft token (-1: the group's last row)
-            for g in groups:
-                draft[g.row : g.row + g.num_draft] = g.draft_token_ids
-            drafts = _on(draft, probs)
-        draft_t = drafts
-        has_draft = draft_t >= 0
-        safe = draft_t.clamp(min=0).unsqueeze(1)
-        q_draft = probs.gather(1, safe).squeeze(1)
-        keep = has_draft & (self._uniforms(rows) < q_draft)
-        residual = probs.scatter(1, safe, torch.zeros_like(q_draft).unsqueeze(1))
-        residual = torch.where(has_draft.unsqueeze(1), residual, probs)
-        empty = residual.sum(-1, keepdim=True) <= 0  # q(d) == 1: that row always keeps
-        drawn = sample_inverse_cdf(torch.where(empty, probs, residual), self._uniforms(rows))
-        # per group: kept = leading run of kept drafts; the yield of row j is its draft
-        # while j < kept, then the token drawn at row ``kept``
+        processed = apply_mask(process_logits(raw, rows, pending), raw, mask)
+        # per group, its rows from the first to the last (the group's last row again past
+        # it: a row without a draft, never kept), its first row; per row, its group
         width = max(g.num_rows for g in groups)
-        index = _on([[g.row + min(j, g.num_draft) for j in range(width)] for g in groups], probs)
-        valid = _on([[j < g.num_draft for j in range(width)] for g in groups], probs, torch.bool)
-        kept = (keep[index] & valid).long().cumprod(1).sum(1)  # [G]
-        first = _on([g.row for g in groups], probs)
-        owner = _on([i for i, g in enumerate(groups) for _ in range(g.num_rows)], probs)
-        offset = torch.arange(len(rows), device=probs.device) - first[owner]
-        final = drawn[first + kept]
-        tokens = torch.where(offset < kept[owner], draft_t, final[owner])
+        starts = np.array([g.row for g in groups], dtype=np.int64)
+        sizes = np.array([g.num_draft for g in groups], dtype=np.int64)
+        index = starts[:, None] + np.minimum(np.arange(width), sizes[:, None])
+        owner = np.repeat(np.arange(len(groups)), sizes + 1)
+        host = [index, starts, owner]
+        if drafts is None:
+            host.append([t for g in groups for t in (*g.draft_token_ids, -1)])
+        index, first, owner, *given = device_indices(processed.device, *host)
+        drafts = given[0] if given else drafts
+        if all(row.params.greedy for row in rows):
+            # all mass on the argmax: a draft is kept iff it is the argmax there, and each
+            # row yields its argmax (a kept draft's, then the token after the kept ones)
+            tokens = processed.argmax(-1)
+            keep = drafts == tokens  # a group's last row (-1) never keeps
+            kept = keep[index].long().cumprod(1).sum(1)  # [G]: the leading run of kept drafts
+        else:
+            probs = target_probs(processed, rows)
+            has_draft = drafts >= 0
+            safe = drafts.clamp(min=0).unsqueeze(1)
+            q_draft = probs.gather(1, safe).squeeze(1)
+            keep = has_draft & (self._uniforms(rows) < q_draft)
+            residual = probs.scatter(1, safe, torch.zeros_like(q_draft).unsqueeze(1))
+            residual = torch.where(has_draft.unsqueeze(1), residual, probs)
+            empty = residual.sum(-1, keepdim=True) <= 0  # q(d) == 1: that row always keeps
+            drawn = sample_inverse_cdf(torch.where(empty, probs, residual), self._uniforms(rows))
+            # the yield of row j is its draft while j < kept, then the token drawn at row
+            # ``kept``
+            kept = keep[index].long().cumprod(1).sum(1)
+            offset = torch.arange(len(rows), device=probs.device) - first[owner]
+            tokens = torch.where(offset < kept[owner], drafts, drawn[first + kept][owner])
         logprobs = token_logprobs_on_device(raw, rows, tokens)
         return VerifiedTokens(list(groups), tokens, kept, logprobs)
 
@@ -384,7 +395,8 @@ def process_logits(
     Returns ``logits`` itself when no row needs any of them, else a processed copy; the
     argument is never modified.
     """
-    if not any(row.needs_processing() for row in rows):
+    # a verify step repeats each request's row over its drafts: each one looked at once
+    if not any(row.needs_processing() for row in {id(row): row for row in rows}.values()):
         return logits
     out = logits.clone(memory_format=torch.contiguous_format)
     apply_logit_bias(out, rows)

@@ -54,6 +54,20 @@ class Chained:
     num_starts: int
     depths: list[tuple[list[int], torch.Tensor, torch.Tensor]]
     _copy: HostCopy | None = None
+    _flat_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def of_flat(cls, num_starts: int, rows: list[list[int]], tokens: torch.Tensor,
+                conf: torch.Tensor) -> Chained:  # fmt: skip
+        """A chain from every depth's tokens and confidences in one tensor each, depth
+        after depth (``rows[depth]``: the starts drafting at that depth)."""
+        depths, at = [], 0
+        for active in rows:
+            depths.append((active, tokens[at : at + len(active)], conf[at : at + len(active)]))
+            at += len(active)
+        chained = cls(num_starts, depths)
+        chained._flat_tensors = (tokens, conf)
+        return chained
 
     def start_copy(self) -> None:
         """Queue the copy to the host behind the chain (on CUDA), so that ``to_host``
@@ -62,17 +76,20 @@ class Chained:
             self._copy = HostCopy(*self._flat())
 
     def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.cat([t for _, t, _ in self.depths]),
-                torch.cat([c for _, _, c in self.depths]))  # fmt: skip
+        """Every depth's tokens and confidences, depth after depth (made once)."""
+        if self._flat_tensors is None:
+            self._flat_tensors = (torch.cat([t for _, t, _ in self.depths]),
+                                  torch.cat([c for _, _, c in self.depths]))  # fmt: skip
+        return self._flat_tensors
 
     def as_table(self, width: int) -> torch.Tensor:
         """The drafts as a device table [starts, width], row ``i`` start ``i``'s (0 past
         its last draft)."""
         device = self.depths[0][1].device
-        table = torch.zeros(self.num_starts, width, dtype=torch.long, device=device)
-        for depth, (rows, tokens, _) in enumerate(self.depths):
-            table[device_index(rows, device), depth] = tokens
-        return table
+        table = torch.zeros(self.num_starts * width, dtype=torch.long, device=device)
+        at = [i * width + depth for depth, (rows, _, _) in enumerate(self.depths) for i in rows]
+        table[device_index(at, device)] = self._flat()[0]
+        return table.view(self.num_starts, width)
 
     def to_host(self) -> list[tuple[list[int], list[float]]]:
         """Per start: its draft tokens and their confidences (the one wait)."""

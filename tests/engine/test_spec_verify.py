@@ -134,3 +134,28 @@ def test_groups_must_cover_the_rows():
     with pytest.raises(ValueError, match="cover"):
         sampler.verify(logits_rows(3), [SamplingRow(SamplingParams())] * 3, None,
                        [DraftGroup(0, [1])])  # fmt: skip
+
+
+def test_greedy_groups_verify_alone_as_beside_sampled_groups():
+    """A step of greedy groups only takes the argmax path (no distribution, no draws); the
+    same groups beside a sampled one take the general path: the same tokens, the same
+    counts kept."""
+    g = torch.Generator().manual_seed(3)
+    penalized = SamplingParams(temperature=0, repetition_penalty=1.4, logit_bias={2: 3.0})
+    params = [SamplingParams(temperature=0), penalized] * 12
+    groups, rows, row = [], [], 0
+    logits = torch.randn(sum(1 + j % 4 for j in range(len(params))), VOCAB, generator=g)
+    for j, p in enumerate(params):
+        k = j % 4  # 0..3 drafts, half of them the argmax of the raw logits
+        best = logits[row : row + k].argmax(-1).tolist()
+        drafts = [b if torch.rand(1, generator=g) < 0.6 else (b + 1) % VOCAB for b in best]
+        groups.append(DraftGroup(row, drafts))
+        rows += [SamplingRow(p, output_token_ids=[5, *drafts[:i]]) for i in range(k + 1)]
+        row += k + 1
+    alone = Sampler(VOCAB).verify(logits, rows, None, groups)
+    sampled = SamplingRow(SamplingParams(temperature=1.0))
+    mixed = Sampler(VOCAB).verify(torch.cat((logits, logits_rows(3))), rows + [sampled] * 3,
+                                  None, groups + [DraftGroup(row, [1, 2])])  # fmt: skip
+    assert alone.kept.tolist() == mixed.kept[:-1].tolist()
+    assert 0 < alone.kept.sum() < sum(g.num_draft for g in groups)  # some kept, some not
+    assert alone.to_host() == mixed.to_host()[:-1]
