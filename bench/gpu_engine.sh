@@ -4,7 +4,7 @@
 #   bench/gpu_engine.sh [tests] [bench] [serve] [quick] [mla_moe_tests] [mla_tests] [mla_moe]
 #                       [moe_parts] [ds_step] [ds_serve] [pd_ipc] [served] [spec] [gc_pause]
 #                       [startup] [sdpa] [mla_paths] [mla_engine_tests] [moe_probe]
-#                       [spec_tests] [overlap] [moe_fp8] [fp8_tests] [ds_step_fp8] [ds_serve_fp8]
+#                       [spec_tests] [spec_diag] [overlap] [moe_fp8] [fp8_tests] [ds_step_fp8] [ds_serve_fp8]
 #
 # Unpacks the bundle (../shared/gpu/README.md), restores TileLang's kernel cache when a
 # previous run left one in .tlcache/ (saved again to $OUT/tlcache.tar.xz at the end), then
@@ -27,7 +27,7 @@
 # prompts are the first's: ~half its prompt tokens come from the prefix cache); ds_serve
 # keeps the server's log in $OUT/logs; speculative
 # decoding's CUDA tests (graphs, sync-free steps, the drafters on the device) and its arms
-# (bench/spec_decode_gpu.py); overlap on vs off for plain, penalized and structured
+# (bench/spec_decode_gpu.py; SPEC_FLAGS adds flags; spec_diag: its diagnoses alone); overlap on vs off for plain, penalized and structured
 # requests (bench/overlap.py); a full garbage collection of the 8B engine before
 # and after freezing its startup (bench/gc_pause.py); the start-up of dummy:deepseek-v3-4l
 # with an empty kernel cache and again with the one it left, and its first requests
@@ -126,8 +126,11 @@ for step in "$@"; do
         tests/engine/test_cuda_device_drafters.py tests/engine/test_cuda_mla_moe_kernels.py \
         tests/bench/test_spec_decode_bench.py 2>&1 | tee -a "$OUT/steps.log" | tail -25 || status=1 ;;
     spec)
-      $LIMIT python3 -m bench.spec_decode_gpu --out "$OUT/spec_decode_h200.json" \
+      $LIMIT python3 -m bench.spec_decode_gpu ${SPEC_FLAGS:-} --out "$OUT/spec_decode_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -12 || status=1 ;;
+    spec_diag)
+      $LIMIT python3 -m bench.spec_decode_gpu --diagnose-only --out "$OUT/spec_diag.json" \
+        2>&1 | tee -a "$OUT/steps.log" | tail -6 || status=1 ;;
     overlap)
       $LIMIT python3 -m bench.overlap --commit "$COMMIT" --out "$OUT/overlap_h200.json" \
         2>&1 | tee -a "$OUT/steps.log" | tail -8 || status=1 ;;

@@ -80,7 +80,7 @@ import torch
 from bench.common import machine_info
 from bench.spec_decode import Job, arms, plot, run_arms, run_load
 from engine import heap
-from engine.attention.base import device_index
+from engine.attention.base import device_indices
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.llm import LLM
@@ -156,23 +156,21 @@ class RatesDrafter(Drafter):
         if not ids:
             return Drafting([], Chained(0, []))
         device = step.next_ids.device
-        keys = device_index([self._key(rid) for rid in ids], device)
-        # the index of each request's first draft: past its last token, as the device has it
-        start = device_index(step.bounds, device) - step.back + 1
         rooms = [min(r.num_draft, self.max_draft) for r in step.requests]
         width = max(rooms)
+        rows = [[d for d, room in enumerate(rooms) if room > depth] for depth in range(width)]
+        depth_of = [depth for depth, active in enumerate(rows) for _ in active]
+        at = [d * width + depth for depth, active in enumerate(rows) for d in active]
+        keys, bounds, depth_of, at = device_indices(
+            device, [self._key(rid) for rid in ids], step.bounds, depth_of, at)  # fmt: skip
+        # the index of each request's first draft: past its last token, as the device has it
+        start = bounds - step.back + 1
         j = torch.arange(width, device=device)
-        rates = self._rates_on(device)[:width]
-        fails = _uniform(keys[:, None], start[:, None] + j[None, :]) >= rates
+        rates = self._rates_on(device)
+        fails = _uniform(keys[:, None], start[:, None] + j[None, :]) >= rates[:width]
         first_fail = fails & (fails.long().cumsum(1) == 1)
-        tokens = torch.where(first_fail, WRONG, RIGHT)
-        conf = rates.expand(len(ids), width)
-        depths = []
-        for depth in range(width):
-            rows = [d for d, room in enumerate(rooms) if room > depth]
-            index = device_index(rows, device)
-            depths.append((rows, tokens[index, depth], conf[index, depth]))
-        chained = Chained(len(ids), depths)
+        tokens = torch.where(first_fail, WRONG, RIGHT).view(-1)[at]  # depth after depth
+        chained = Chained.of_flat(len(ids), rows, tokens, rates[depth_of])
         chained.start_copy()
         return Drafting(ids, chained)
 
@@ -459,6 +457,13 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - a diagnosis; the timing still runs
         result["runtime_calls"] = {"error": f"{type(exc).__name__}: {exc}"}
     log(f"CUDA runtime calls (same load, profiled): {result['runtime_calls'] or 'none'}")
+    try:
+        result["host_profile"] = host_profile(cores, "fixed-3", loads["decode"](64)[:128], 64)
+    except Exception as exc:  # noqa: BLE001 - a diagnosis; the timing still runs
+        result["host_profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"host time of a step (fixed-3 and none, decode, 64 streams): "
+        f"{result['host_profile'].get('steps', result['host_profile'])}")
+    save()
     if args.diagnose_only:
         save()
         archive = pack(args.out, cores["fixed-3"].spec.trace)  # type: ignore[attr-defined]
@@ -571,6 +576,51 @@ def runtime_calls(run: Callable[[], EngineCore], jobs: list[Job], concurrency: i
     return {"calls": calls[:limit],
             "longest": [{"call": e.name, "ms": round(e.cpu_time_total / 1e3, 3),
                          "from": frame(e)} for e in longest]}  # fmt: skip
+
+
+def host_profile(runs: dict[str, Callable[[], EngineCore]], arm: str, jobs: list[Job],
+                 concurrency: int, limit: int = 25) -> dict:  # fmt: skip
+    """Where the host's time goes in ``arm``'s steps while its engine serves ``jobs``:
+    first unprofiled, each step's host time planning it and launching it, as medians over
+    the steps that verify drafts and those that do not (``steps``; ``none`` alongside as
+    the reference); then under cProfile, the ``limit`` functions with the most own time,
+    per step launched (``functions``: the profiler's own overhead inflates them, the
+    order holds). A verify step's launch is what the next step waits for once it exceeds
+    the device's step."""
+    import cProfile
+    import pstats
+    from statistics import median
+
+    steps = {}
+    for name in (arm, "none"):
+        trace = runs[name].spec.trace  # type: ignore[attr-defined]
+        first = len(trace)
+        run_load(runs[name](), jobs, concurrency, f"host-{name}")
+        for drafts in (True, False):
+            rows = [r for r in trace[first:] if (r[3] > 0) == drafts and r[13] is not None]
+            if rows:
+                steps[f"{name}, {'verify' if drafts else 'plain'}"] = {
+                    "steps": len(rows),
+                    "schedule_ms": round(1e3 * median(r[12] for r in rows), 3),
+                    "launch_ms": round(1e3 * median(r[13] for r in rows), 3),
+                }  # fmt: skip
+    core, trace = runs[arm](), runs[arm].spec.trace  # type: ignore[attr-defined]
+    first = len(trace)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_load(core, jobs, concurrency, "host-profiled")
+    profiler.disable()
+    launched = max(len(trace) - first, 1)  # a line for each step run
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, own, cumulative, _)
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:limit]
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    functions = [{"function": f"{f.replace(root, '')}:{line} {name}",
+                  "own_ms_per_step": round(1e3 * own / launched, 3),
+                  "cumulative_ms_per_step": round(1e3 * cum / launched, 3),
+                  "calls_per_step": round(calls / launched, 1)}
+                 for (f, line, name), (_, calls, own, cum, _) in top]  # fmt: skip
+    return {"arm": arm, "concurrency": concurrency, "steps": steps, "launched": launched,
+            "functions": functions}  # fmt: skip
 
 
 def pack(out: Path, trace: list[list]) -> Path:
