@@ -372,6 +372,8 @@ def main() -> None:
         help="per draft position, P(kept | the drafts before kept)",
     )
     ap.add_argument("--concurrency", default="1,16,64,128,256")
+    ap.add_argument("--workloads", default="decode,prefill-heavy",
+                    help="which of decode, prefill-heavy to run at each concurrency")
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--waves", type=int, default=4,
@@ -442,6 +444,7 @@ def main() -> None:
         core.runner.model.model.norm.weight.zero_()  # every logit 0: greedy picks RIGHT
     cores = arm_cores(core, rates_drafter, "rates")
     loads = workloads(args)
+    timed = {name: loads[name] for name in args.workloads.split(",")}
     warm = random.Random(7)
     for name in cores:  # warm up: kernels of each step shape built, cost models seeded
         run_load(cores[name](), [Job(_random_prompt(warm, args.input_len), 16)] * 4, 4, "warm")
@@ -473,7 +476,7 @@ def main() -> None:
     result["warm_s"] = time.perf_counter() - start
     log(f"warm at {result['warm_s']:.1f} s")
     save()
-    records = run_arms(cores, loads, concurrencies, args.rounds, log,
+    records = run_arms(cores, timed, concurrencies, args.rounds, log,
                        deadline=start + args.budget_s, min_tokens=args.min_arm_tokens)  # fmt: skip
     result["records"] = records
     result["summary"] = summary(records)

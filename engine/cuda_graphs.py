@@ -61,8 +61,11 @@ log = logging.getLogger("ferry.cuda_graphs")
 # past 256 rows: the verify steps of speculative decoding (each request's token and its
 # drafts, a row each), captured only where a step can hold that many rows
 # (``EngineCore._graph_rows``). Eager, a verify step of 512 rows of the 8B shape took 19.7
-# ms on the H200 where the graphs' 25-30 us a row past 256 rows (10.6 ms) come to ~17.5
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 320, 384, 448, 512)
+# ms on the H200 where the graphs' 25-30 us a row past 256 rows (10.6 ms) come to ~17.5.
+# No bucket at 448 rows: there cuBLAS's bf16 GEMM of the 8B shape's gate/up projection took
+# 315 us against 180 at 512 rows on an H100, and the whole forward 21.4 ms against 18.7 at
+# 512 (bench/results/decode_buckets_h100.json): 385-512 rows replay the 512-row graph.
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 320, 384, 512)
 # on the CPU a padding row costs what a real one does in every product, and a program is
 # cheap to record: finer buckets
 CPU_BUCKETS = (*range(1, 9), 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256)
