@@ -29,8 +29,11 @@ Before the sweep, ``sync_points`` serves 32 prefill-heavy requests at 16 streams
 fixed k = 3 under CUDA's sync debug mode and records where the host waited for the
 device (``sync_points`` in the JSON) and what the pinned host allocator did meanwhile
 (``pinned_allocations``); the same load again under the profiler gives the CUDA runtime
-calls the host made, the longest with where (``runtime_calls``). ``--diagnose-only``
-stops there.
+calls the host made, the longest with where (``runtime_calls``); then 128 decode
+requests at 64 streams with fixed k = 3 and with none give a step's host time to plan and
+to launch it, with drafts and without, and under cProfile the functions a fixed-3 step
+spends it in (``host_profile``). ``--diagnose-only`` stops there; ``--workloads`` picks
+the workloads the sweep runs.
 
 One ``EngineCore`` (weights, KV cache and CUDA graphs once) runs every arm: an arm is its
 own ``SpecDecoding`` (its policy, cost model and realized-gain guard kept across points,
