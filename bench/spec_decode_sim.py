@@ -60,7 +60,7 @@ import random
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.block_pool import BlockPool
@@ -117,6 +117,13 @@ class H200Costs:
     price_step_s: float = 15e-6  # ... and per step it does
     device_noise: float = 0.02  # each device time times exp(N(0, this))
     host_noise: float = 0.10  # each host time times exp(N(0, this))
+
+    HOST = ("plan_s", "plan_chunk_s", "verify_chunk_s", "update_s", "update_chunk_s",
+            "collect_s", "collect_request_s", "lookup_s", "price_s", "price_step_s")
+
+    def host_times(self, factor: float) -> H200Costs:
+        """These costs on a host ``factor`` times as slow (every host time above)."""
+        return replace(self, **{f: getattr(self, f) * factor for f in self.HOST})
 
     @property
     def graphs(self) -> tuple[tuple[int, float], ...]:
@@ -535,11 +542,14 @@ def main() -> None:
     ap.add_argument("--spells", default="", metavar="STEP:STEPS,..",
                     help="slow spells of the host in every decode point, e.g. 84:12,120:17 "
                          "(the H200's at 128 streams)")  # fmt: skip
+    ap.add_argument("--host-factor", type=float, default=1.0,
+                    help="the host this many times as slow (planning, launching, folding "
+                         "back, looking up and pricing drafts)")  # fmt: skip
     args = ap.parse_args()
     spells = [(int(a), int(b)) for a, b in (s.split(":") for s in args.spells.split(",") if s)]
     records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
-                  overlap=not args.no_overlap, scale=args.scale, seed=args.seed,
-                  spells=spells)  # fmt: skip
+                  costs=H200Costs().host_times(args.host_factor), overlap=not args.no_overlap,
+                  scale=args.scale, seed=args.seed, spells=spells)  # fmt: skip
     for rec in records:
         line = (f"{rec['workload']:>14} c={rec['concurrency']:<4} {rec['arm']:>8} "
                 f"{rec['tok_s']:8.0f} tok/s, steps {rec['steps']:4d} verifying "

@@ -15,10 +15,16 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   cost more than the step saves, so that counted they would make the mode look slower
   than it is). The interval after the engine ran out of work is not a sample
   (``SpecDecoding.idle``), nor one far longer than the step's device time
-  (``MAX_GAP_FACTOR``: the process stalled), and neither is the
-  first step after a switch between verifying and not (it carries the other mode's
-  overlap state: the plan a step with drafts leaves unhidden, the overlap one without
-  builds up).
+  (``MAX_GAP_FACTOR``: the process stalled), and neither is a step next to a switch
+  between verifying and not: the first after it carries the other mode's overlap state
+  (the plan a step with drafts leaves unhidden, the overlap one without builds up), and
+  the last before it the host's work on the step after it, of the other mode (under
+  overlap the host plans and launches the next step before this one's outcome is read).
+  Counted, on a host slow enough that a verify step's planning and launch outlast the
+  device's step, the last step without drafts before drafts took 20 ms where the others
+  took 7, the first with drafts after them looked fast, and the guard let drafts run
+  that cost a third of the rate (``bench.spec_decode_sim`` with 3x its host times, 128
+  streams). So a step becomes a sample once the next one runs in the same mode.
 - Samples are kept per *regime*: the step's graph size of sampling chunks (its batch)
   and whether it holds prefill.
 - The decision, per regime, compares the modes *side by side*: where a run of steps of
@@ -38,6 +44,9 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   step's wall time is never below its device time, so those tokens over those seconds
   are the most that mode can reach in the regime. Speculation measured ``DECISIVE_RATIO``
   above the ceiling (its last ``GUARD_WINDOW`` samples) is ahead without a pair.
+- A probe without drafts is a rest of the drafter after its first step
+  (``SpecDecoding``: nothing drafted or priced), so that its steps cost what steps
+  without speculation cost, the host's work included.
 - Probes make the pairs: every ``PROBE_EVERY`` steps of a regime (every
   ``WARM_PROBE_EVERY`` while it has too few pairs; ``DECISIVE_SPACING`` times rarer while
   one mode is ahead by ``DECISIVE_RATIO``, where a probe costs the most and tells the
@@ -145,6 +154,9 @@ class RealizedGainGuard:
     def __init__(self) -> None:
         self._regimes: dict[tuple[int, bool], _Regime] = {}
         self._last_mode: bool | None = None
+        # the latest step's (regime, mode, tokens, seconds), a sample once the step after
+        # it runs in the same mode (``record``)
+        self._pending: tuple[tuple[int, bool], bool, int, float] | None = None
         self.blocked = 0  # steps the guard ran without drafts against the policy
         self.probes = 0  # probe steps run, either mode
 
@@ -206,6 +218,17 @@ class RealizedGainGuard:
             self.blocked += 1
         return favoured
 
+    def rest_probe(self, key: tuple[int, bool]) -> int:
+        """The probe without drafts that ``allow`` just began: the steps it has left,
+        which the caller runs as a rest of the drafter (no drafts proposed, none priced),
+        and which the guard no longer counts down itself (0: no such probe)."""
+        r = self._get(key)
+        left = 0 if r.probe_mode else r.probe_left
+        r.probe_left -= left
+        r.steps += left
+        self.probes += left
+        return left
+
     def _every(self, key: tuple[int, bool]) -> int:
         gain = self.gain(key)
         if gain is None:
@@ -231,11 +254,19 @@ class RealizedGainGuard:
 
     def record(self, key: tuple[int, bool], speculated: bool, tokens: int,
                seconds: float) -> None:  # fmt: skip
-        """A step of this regime yielded ``tokens`` in ``seconds`` of wall time."""
+        """A step of this regime yielded ``tokens`` in ``seconds`` of wall time. It is a
+        sample once the next step is recorded in the same mode: a step next to a switch
+        is none (module docstring)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[1] == speculated:
+            self._sample(*pending)
         switched = self._last_mode is not None and speculated != self._last_mode
         self._last_mode = speculated
-        if switched or seconds <= 0:
-            return
+        if not switched and seconds > 0:
+            self._pending = (key, speculated, tokens, seconds)
+
+    def _sample(self, key: tuple[int, bool], speculated: bool, tokens: int,
+                seconds: float) -> None:  # fmt: skip
         r = self._get(key)
         r.samples[speculated].append(tokens, seconds)
         if r.mode is not None and speculated != r.mode:  # the other mode, side by side

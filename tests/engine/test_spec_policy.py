@@ -724,10 +724,11 @@ def test_guard_times_a_step_without_drafts_as_with_the_drafter_resting():
     req = request("a")
     plan = StepPlan([ScheduledChunk("a", [1], 5, [], True)])
     key = spec.guard.regime(1, False)
-    for interval, draft in ((0.0, 0.0), (0.020, 0.005), (0.020, 0.015)):
+    for interval, draft in ((0.0, 0.0), (0.020, 0.005), (0.020, 0.015), (0.020, 0.0)):
         spec.clock.now += interval
         spec.observe(plan, StepResult({req.request_id: 0},
                                       timing=StepTiming(0.007, 0.001, draft)))  # fmt: skip
+    # (each a sample once the step after it ran in the same mode)
     assert list(spec.guard._regimes[key].samples[False]) == [(1, 0.015), (1, 0.008)]
 
 
@@ -876,7 +877,7 @@ def test_a_blocked_regime_still_probes_at_its_rate_while_the_drafter_rests():
     spec = dynamic_spec()
     key = spec.guard.regime(16, False)
     for speculated, seconds in ((True, 0.02), (False, 0.01)) * 2:  # drafts at half the rate
-        for _ in range(5):  # the first after a switch is no sample
+        for _ in range(6):  # the first after a switch and the last before one: no samples
             spec.guard.record(key, speculated, 16, seconds)
     assert not spec.guard.favours(key)
     for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:
@@ -959,3 +960,40 @@ def test_drafts_in_a_prefill_step_cost_what_prefill_steps_with_drafts_were_measu
     assert sum(policy.lengths(step)) < before // 2
     policy.observe(600, 0.02, 0.0, 0.0, decode=True, drafted=True)  # a decode step: not those
     assert len(policy.cost.drafted.points(False)) == 2
+
+
+def test_a_step_next_to_a_switch_of_mode_is_no_sample():
+    """Under overlap a step's wall time holds the host's work on the step after it: the
+    last step without drafts before a switch carries the planning of the first with
+    drafts, and that one the other mode's overlap state. Neither is a sample, nor are the
+    last with drafts and the first without at the switch back."""
+    g = guard.RealizedGainGuard()
+    key = g.regime(16, False)
+    steps = ([(False, 0.010)] * 4 + [(False, 0.030), (True, 0.012)] + [(True, 0.020)] * 4
+             + [(True, 0.005), (False, 0.050), (False, 0.010)])  # fmt: skip
+    for speculated, seconds in steps:
+        g.record(key, speculated, 16, seconds)
+    samples = g._regimes[key].samples
+    assert [s for _, s in samples[False]] == [0.010] * 4
+    assert [s for _, s in samples[True]] == [0.020] * 4
+
+
+def test_a_probe_without_drafts_rests_the_drafter():
+    """While drafts are favoured, the guard's probe without drafts runs its steps after
+    the first as a rest: nothing is drafted after them and no candidate is looked up or
+    priced, so they cost what steps without speculation cost, host work included."""
+    spec = dynamic_spec()
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)  # drafts look free
+    cands = [Candidate(request(f"r{i}"), [0] * 5, survival([0.9] * 5)) for i in range(16)]
+    key = spec.guard.regime(16, False)
+    assert any(spec.lengths(cands, 16, 16, decode=True, limit=10_000))  # drafts favoured
+    spec.guard._get(key).due = True  # a probe falls due
+    assert not any(spec.lengths(cands, 16, 16, decode=True, limit=10_000))
+    resting = []
+    for _ in range(guard.PROBE_STEPS - 1):
+        resting.append(spec.proposes)
+        assert not any(spec.lengths([], 16, 16, decode=True, limit=10_000))
+    assert resting == [False] * (guard.PROBE_STEPS - 1)
+    assert spec.proposes  # the probe is over: drafts are proposed again
+    assert any(spec.lengths(cands, 16, 16, decode=True, limit=10_000))
