@@ -16,7 +16,7 @@ still usable — the verifier is exact whatever it is given — with the surviva
 by one (the first draft must have been right for the others to be kept). So no plan waits
 for the step in flight; with a host drafter what waits is the plan after a step that
 verified drafts, since it must know how many were kept to place its tokens. A drafter
-``on_device`` drafts behind the step in flight (``drafting``), one past what each request
+``on_device`` drafts behind the step in flight (``drafting``), two past what each request
 verifies there (``base.draft_depth``): the plan verifies at most those drafts,
 placeholders here (``unresolved_draft``) priced by the request's latest curve,
 and the device places the step after the tokens really kept (``engine.runner``), so that

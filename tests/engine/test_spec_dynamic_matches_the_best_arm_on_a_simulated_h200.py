@@ -4,12 +4,11 @@ with step costs fitted to the H200 run (``bench.spec_decode_sim``).
 
 At small batch (1 and 16 requests, decode-heavy and prefill-heavy) speculating nearly
 every step with 3-5 drafts is best, at 64 one to three drafts a request: dynamic must
-reach 0.98 of the best arm, at 64 decode streams 0.97 (over seeds 0-2 of the drafter's
-draws it reached 0.973-0.999 of fixed-3 there, 0.977-0.997 while the graphs had a
-448-row bucket; over 4x the requests 0.92-0.95: between a draft a request, 128 rows, and
-three, 256, it mostly picks the first, where the second yields ~5 % more). At high load
-(128 and 256) no fixed k gains much over none, most lose: dynamic must reach 0.98 of
-none. The points of 1 and 16 hold 4x the benchmark's requests (64 and 256 decode
+reach 0.98 of the best arm (at 64 decode streams 0.99 of fixed-3 over seeds 0-2 of the
+drafter's draws, and over 4x the requests too, since drafts go two past what a request
+verifies: one past, it stayed at one draft a request, 0.92-0.95 over 4x the requests).
+At high load (128 and 256) no fixed k gains much over none, most lose: dynamic must
+reach 0.98 of none. The points of 1 and 16 hold 4x the benchmark's requests (64 and 256 decode
 requests), so that the acceptance draws of the arms average out.
 """
 
@@ -40,7 +39,7 @@ def _point(records: list[dict], workload: str, c: int) -> dict[str, float]:
 def test_dynamic_keeps_up_with_the_best_fixed_k_at_small_batch(records, workload, c):
     point = _point(records, workload, c)
     best = max(v for arm, v in point.items() if arm != "dynamic")
-    assert point["dynamic"] >= (0.97 if (workload, c) == ("decode", 64) else 0.98) * best, point
+    assert point["dynamic"] >= 0.98 * best, point
 
 
 @pytest.mark.parametrize("workload", ["decode", "prefill-heavy"])

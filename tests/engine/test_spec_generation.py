@@ -400,25 +400,27 @@ def test_penalties_and_min_tokens_with_drafts_planned_ahead_match_no_speculation
 
 
 @pytest.mark.parametrize("name", ["draft-self", "mtp-kept"])
-def test_drafts_made_on_the_device_go_one_past_the_verified_and_the_next_plan_stays_within(
+def test_drafts_made_on_the_device_go_two_past_the_verified_and_the_next_plan_stays_within(
     name, llama, deepseek_successor
 ):
     """A drafter on the device drafts behind a step no deeper than ``draft_depth`` of what
     each request verifies in it, and the step planned before those drafts exist verifies
     no more of them than were made; outputs stay those without speculation. The policy
-    asks for 3, 1, 3, 0, 2 drafts in turn (as far as each request's candidates go)."""
+    asks for 4, 1, 4, 0, 2 drafts in turn (as far as each request's candidates go)."""
     from engine.request import UNRESOLVED
     from engine.spec.base import draft_depth
 
-    cycle = (3, 1, 3, 0, 2)
+    cycle = (4, 1, 4, 0, 2)
     model, fields = on_device_case(name, llama, deepseek_successor)
-    spec = SpeculativeConfig(num_speculative_tokens=3, schedule="dynamic", **fields)
+    if "confidence_temperatures" in fields:  # one a draft position
+        fields = {**fields, "confidence_temperatures": (0.3,) * 4}
+    spec = SpeculativeConfig(num_speculative_tokens=4, schedule="dynamic", **fields)
     llm = engine(model, spec, overlap_scheduling=True)
     drafter, scheduler = llm.core.runner.drafter, llm.core.scheduler
     launch, schedule = drafter.launch, scheduler.schedule
     asked, depths, made, past = [0], [], {}, [0]
 
-    def lengths(step):  # 3, 1, 3: asks two more than the step before verified
+    def lengths(step):  # 4, 1, 4: asks three more than the step before verified
         asked[0] += 1
         return [min(cycle[(asked[0] + i) % 5], len(c)) for i, c in enumerate(step.curves)]
 
@@ -442,6 +444,6 @@ def test_drafts_made_on_the_device_go_one_past_the_verified_and_the_next_plan_st
     outputs = [r.token_ids for r in llm.generate(prompts(), GREEDY)]
     assert outputs == reference(model)
     assert past[0] == 0
-    assert all(d <= draft_depth(v, 3) for d, v in depths)
-    assert {(d, v) for d, v in depths if d == draft_depth(v, 3)} >= {(3, 0), (2, 1), (3, 2)}
+    assert all(d <= draft_depth(v, 4) for d, v in depths)
+    assert {(d, v) for d, v in depths if d == draft_depth(v, 4)} >= {(4, 0), (3, 1), (4, 2)}
     llm.core.check_integrity()
