@@ -82,6 +82,9 @@ class VerifyStep:
     decode: bool | None = None  # every chunk one token (+ drafts); None: base_tokens == base_yield
     limit: int | None = None  # most drafts in all: the token budget left after the chunks
     host_s: float = 0.0  # host work every step waits for (without overlap: none is hidden)
+    # under overlap, the host's work on a decode step with n drafts (n = 0..): a step
+    # lasts at least that, whatever the device's part (None: not known)
+    host_times: Callable[[int], list[float]] | None = None
 
     @staticmethod
     def is_decode(base_tokens: int, base_yield: int, decode: bool | None = None) -> bool:
@@ -188,7 +191,10 @@ class DynamicPolicy(VerifyPolicy):
                 base = table[0]
                 table = [base] + [base + max(t - base, w - base, r - rows[0]) for t, w, r
                                   in zip(table[1:], with_drafts[1:], rows[1:])]  # fmt: skip
-            return lambda n: table[n] + fixed + (drafting if n else 0.0)
+            if step.host_times is None or not decode:
+                return lambda n: table[n] + fixed + (drafting if n else 0.0)
+            host = step.host_times(drafts)  # the step waits for the longer of the two
+            return lambda n: max(table[n] + fixed + (drafting if n else 0.0), host[n])
 
         if decode:
             def choose(time: Callable[[int], float], limit: int | None) -> int:

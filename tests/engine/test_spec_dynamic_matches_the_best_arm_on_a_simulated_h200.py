@@ -66,11 +66,12 @@ def test_a_slow_spell_of_the_host_costs_dynamic_no_more_than_its_steps(spell):
 def test_dynamic_stays_near_no_speculation_where_the_hosts_work_makes_drafts_lose():
     """On a host twice as slow (``H200Costs.host_times(2)``) a verify step's planning and
     launch outlast the device's step at 128 decode streams: fixed-1 falls to ~0.93 of
-    none. Dynamic must stay within 0.94 of none (0.95-0.97 over seeds 0-2; 0.90 while the
+    none. Dynamic must stay within 0.96 of none (0.97-0.98 over seeds 0-2; 0.90 while the
     guard counted the steps next to a switch of mode, whose wall time holds the other
-    mode's host work, and its probes without drafts still drafted and priced)."""
+    mode's host work, and its probes without drafts still drafted and priced; 0.95-0.97
+    while the policy priced a step by its device time alone)."""
     records = run((128,), ("decode",), arms=("none", "fixed-1", "dynamic"),
                   costs=H200Costs().host_times(2.0))  # fmt: skip
     point = _point(records, "decode", 128)
     assert point["fixed-1"] < 0.95 * point["none"], point  # drafts lose here
-    assert point["dynamic"] >= 0.94 * point["none"], point
+    assert point["dynamic"] >= 0.96 * point["none"], point

@@ -997,3 +997,21 @@ def test_a_probe_without_drafts_rests_the_drafter():
     assert resting == [False] * (guard.PROBE_STEPS - 1)
     assert spec.proposes  # the probe is over: drafts are proposed again
     assert any(spec.lengths(cands, 16, 16, decode=True, limit=10_000))
+
+
+def test_under_overlap_a_step_is_priced_at_least_its_host_time():
+    """Under overlap the device waits for the host's work on a step where it is the
+    longer: drafts whose host work outlasts the forward they save are not verified, and
+    the same drafts with the host's work hidden are."""
+    policy = DynamicPolicy()
+    for rows in (16, 32, 48, 64, 96, 128) * 3:
+        policy.observe(rows, 0.005 + 1e-5 * rows, 0.0001, 0.0, decode=True)
+    curves = [survival([0.8, 0.7, 0.6])] * 16
+    hidden = VerifyStep(curves, curves, 16, 16, decode=True)
+    assert sum(policy.lengths(hidden)) > 16  # cheap rows: most drafts pay
+
+    def host_times(count: int) -> list[float]:  # 2 ms a draft of host work
+        return [0.004 + 0.002 * n for n in range(count + 1)]
+
+    exposed = VerifyStep(curves, curves, 16, 16, decode=True, host_times=host_times)
+    assert sum(policy.lengths(exposed)) == 0
