@@ -171,15 +171,20 @@ class Scheduler:
         lengths = self.spec.lengths(candidates, base_tokens, sampling, decode=decode,
                                     limit=budget)  # fmt: skip
         for i, candidate, k in zip(where, candidates, lengths):
-            req, n = candidate.request, chunks[i].num_tokens
-            k = min(k, budget)
-            while k and not self.kv.can_allocate(req, self._kv_tokens(req, chunks[i].start_pos,
+            req, chunk = candidate.request, chunks[i]
+            n, k = chunk.num_tokens, min(k, budget)
+            while k and not self.kv.can_allocate(req, self._kv_tokens(req, chunk.start_pos,
                                                                       n + k)):  # fmt: skip
                 k -= 1
             if not k:
                 continue
-            self.kv.allocate(req, self._kv_tokens(req, chunks[i].start_pos, n + k))
-            chunks[i] = self._chunk(req, n, candidate.token_ids[:k])
+            tokens = self._kv_tokens(req, chunk.start_pos, n + k)
+            block_ids = chunk.block_ids
+            if self.kv.blocks_needed(req, tokens):  # (else the chunk's blocks hold them,
+                self.kv.allocate(req, tokens)  # and no real token is left to publish)
+                block_ids = [b.block_id for b in req.blocks]
+            chunks[i] = ScheduledChunk(req.request_id, chunk.token_ids + candidate.token_ids[:k],
+                                       chunk.start_pos, block_ids, True, k)  # fmt: skip
             self.spec.verifying(req.request_id, candidate.curve[:k])
             budget -= k
 
