@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from engine.sampling_params import SamplingParams
@@ -111,11 +112,13 @@ class StepPlan:
     # verified none lately, SpecDecoding.proposes; a model drafter still sees the step)
     propose: bool = True
 
-    @property
+    # a plan's sums and kinds are asked for several times a step, each a pass over its
+    # chunks (256 and more at high load): taken once (a plan and its chunks never change)
+    @cached_property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
-    @property
+    @cached_property
     def num_draft_tokens(self) -> int:
         return sum(c.num_draft for c in self.chunks)
 
@@ -123,7 +126,7 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.chunks
 
-    @property
+    @cached_property
     def is_decode(self) -> bool:
         """Every chunk one token (plus its drafts) that samples: the decode path, which
         replays CUDA graphs up to their largest size."""
