@@ -27,7 +27,8 @@
 # prompts are the first's: ~half its prompt tokens come from the prefix cache); ds_serve
 # keeps the server's log in $OUT/logs; speculative
 # decoding's CUDA tests (graphs, sync-free steps, the drafters on the device) and its arms
-# (bench/spec_decode_gpu.py; SPEC_FLAGS adds flags; spec_diag: its diagnoses alone); overlap on vs off for plain, penalized and structured
+# (bench/spec_decode_gpu.py; SPEC_FLAGS adds flags; spec_diag: its diagnoses alone);
+# overlap on vs off for plain, penalized and structured
 # requests (bench/overlap.py); a full garbage collection of the 8B engine before
 # and after freezing its startup (bench/gc_pause.py); the start-up of dummy:deepseek-v3-4l
 # with an empty kernel cache and again with the one it left, and its first requests

@@ -597,18 +597,21 @@ def host_profile(runs: dict[str, Callable[[], EngineCore]], arm: str, jobs: list
     import pstats
     from statistics import median
 
+    drafted, scheduled, launched = (TRACE_FIELDS.index(f) for f in ("drafts", "schedule_s",
+                                                                     "launch_s"))  # fmt: skip
     steps = {}
     for name in (arm, "none"):
         trace = runs[name].spec.trace  # type: ignore[attr-defined]
         first = len(trace)
         run_load(runs[name](), jobs, concurrency, f"host-{name}")
         for drafts in (True, False):
-            rows = [r for r in trace[first:] if (r[3] > 0) == drafts and r[13] is not None]
+            rows = [r for r in trace[first:]
+                    if (r[drafted] > 0) == drafts and r[launched] is not None]  # fmt: skip
             if rows:
                 steps[f"{name}, {'verify' if drafts else 'plain'}"] = {
                     "steps": len(rows),
-                    "schedule_ms": round(1e3 * median(r[12] for r in rows), 3),
-                    "launch_ms": round(1e3 * median(r[13] for r in rows), 3),
+                    "schedule_ms": round(1e3 * median(r[scheduled] for r in rows), 3),
+                    "launch_ms": round(1e3 * median(r[launched] for r in rows), 3),
                 }  # fmt: skip
     core, trace = runs[arm](), runs[arm].spec.trace  # type: ignore[attr-defined]
     first = len(trace)
@@ -616,16 +619,16 @@ def host_profile(runs: dict[str, Callable[[], EngineCore]], arm: str, jobs: list
     profiler.enable()
     run_load(core, jobs, concurrency, "host-profiled")
     profiler.disable()
-    launched = max(len(trace) - first, 1)  # a line for each step run
+    ran = max(len(trace) - first, 1)  # a line for each step run
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, calls, own, cumulative, _)
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:limit]
     root = str(Path(__file__).resolve().parents[1]) + "/"
     functions = [{"function": f"{f.replace(root, '')}:{line} {name}",
-                  "own_ms_per_step": round(1e3 * own / launched, 3),
-                  "cumulative_ms_per_step": round(1e3 * cum / launched, 3),
-                  "calls_per_step": round(calls / launched, 1)}
+                  "own_ms_per_step": round(1e3 * own / ran, 3),
+                  "cumulative_ms_per_step": round(1e3 * cum / ran, 3),
+                  "calls_per_step": round(calls / ran, 1)}
                  for (f, line, name), (_, calls, own, cum, _) in top]  # fmt: skip
-    return {"arm": arm, "concurrency": concurrency, "steps": steps, "launched": launched,
+    return {"arm": arm, "concurrency": concurrency, "steps": steps, "launched": ran,
             "functions": functions}  # fmt: skip
 
 

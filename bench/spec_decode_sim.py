@@ -122,7 +122,9 @@ class H200Costs:
             "collect_s", "collect_request_s", "lookup_s", "price_s", "price_step_s")
 
     def host_times(self, factor: float) -> H200Costs:
-        """These costs on a host ``factor`` times as slow (every host time above)."""
+        """These costs on a host ``factor`` times as slow: each per-step host time in
+        ``HOST`` (not ``eager_issue_s`` and ``issue_drafts_s``, the fit's issue of an
+        eager step's kernels, which a decode step replayed from a graph has none of)."""
         return replace(self, **{f: getattr(self, f) * factor for f in self.HOST})
 
     @property

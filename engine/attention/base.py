@@ -193,18 +193,15 @@ class TokenRows:
         )
 
 
-def padded_tables(block_ids: list[list[int]], width: int | None = None) -> np.ndarray:
-    """Block tables as the rows of one int32 array, padded with the null block (0), ``width``
-    columns (the longest table's by default; longer tables are cut)."""
+def padded_tables(block_ids: list[list[int]], width: int = 1) -> np.ndarray:
+    """Block tables as the rows of one int32 array, padded with the null block (0) to the
+    longest table or ``width`` columns, whichever is more."""
     lengths = np.fromiter(map(len, block_ids), np.int64, len(block_ids))
-    longest = int(lengths.max(initial=1))
-    tables = np.zeros((len(block_ids), longest), dtype=np.int32)
+    tables = np.zeros((len(block_ids), int(lengths.max(initial=width))), dtype=np.int32)
     # every block in one pass: a row at a time costs ~1 us a row, ~1 ms for a verify step
-    tables[np.arange(longest) < lengths[:, None]] = np.fromiter(
+    tables[np.arange(tables.shape[1]) < lengths[:, None]] = np.fromiter(
         itertools.chain.from_iterable(block_ids), np.int32, int(lengths.sum()))  # fmt: skip
-    if width is None or width == longest:
-        return tables
-    return tables[:, :width] if width < longest else np.pad(tables, ((0, 0), (0, width - longest)))
+    return tables
 
 
 def host_to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -346,7 +346,7 @@ class SpecDecoding:
         else:
             exposed, every = 0.0, self.host.value()
         step = VerifyStep(curves, budget_curves, base_tokens, base_yield, exposed, decode, limit,
-                          every, self._host_times(base_tokens) if decode else None)  # fmt: skip
+                          every, self._host_times(base_tokens))  # fmt: skip
         explored = getattr(self.policy, "explored", 0)
         lengths = self.policy.lengths(step)
         return lengths, getattr(self.policy, "explored", 0) - explored
@@ -445,9 +445,10 @@ class SpecDecoding:
         them, so its long launch hides behind its own forward and says nothing of the
         wait after a step with drafts (counted, a wave of new prompts lifted the median
         to ~10 ms on an H200 and the policy stopped verifying drafts at 16 streams)."""
-        if not self.lagged or self._graph_replayed(plan):
+        replayed = self._graph_replayed(plan)
+        if not self.lagged or replayed:
             self.host.add(seconds)
-        if self.lagged and self._graph_replayed(plan):
+        if self.lagged and replayed:
             if plan.num_draft_tokens:
                 self.host_drafted.add(plan.num_tokens, seconds, decode=True)
             else:
