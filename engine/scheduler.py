@@ -172,16 +172,18 @@ class Scheduler:
                                     limit=budget)  # fmt: skip
         for i, candidate, k in zip(where, candidates, lengths):
             req, chunk = candidate.request, chunks[i]
-            n, k = chunk.num_tokens, min(k, budget)
-            while k and not self.kv.can_allocate(req, self._kv_tokens(req, chunk.start_pos,
-                                                                      n + k)):  # fmt: skip
+            n, k, need = chunk.num_tokens, min(k, budget), 0
+            while k:  # as many as the free blocks allow
+                tokens = self._kv_tokens(req, chunk.start_pos, n + k)
+                need = self.kv.blocks_needed(req, tokens)
+                if not need or self.kv.can_allocate(req, tokens):
+                    break
                 k -= 1
             if not k:
                 continue
-            tokens = self._kv_tokens(req, chunk.start_pos, n + k)
             block_ids = chunk.block_ids
-            if self.kv.blocks_needed(req, tokens):  # (else the chunk's blocks hold them,
-                self.kv.allocate(req, tokens)  # and no real token is left to publish)
+            if need:  # (else the chunk's blocks hold them, and no real token is left to
+                self.kv.allocate(req, tokens)  # publish)
                 block_ids = [b.block_id for b in req.blocks]
             chunks[i] = ScheduledChunk(req.request_id, chunk.token_ids + candidate.token_ids[:k],
                                        chunk.start_pos, block_ids, True, k)  # fmt: skip
