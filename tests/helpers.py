@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -164,6 +165,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ferry_command() -> list[str]:
+    """The ``ferry`` command of this environment (its console script, else the module)."""
+    script = Path(sys.executable).with_name("ferry")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
 
 
 # -- chi-square tests (no scipy here) ----------------------------------------------------------

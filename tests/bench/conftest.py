@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # until `bench` is installed with the project
     sys.path.insert(0, str(ROOT))
 
+from helpers import ferry_command  # noqa: E402
+
 from bench.common import stop_process  # noqa: E402
 from bench.load.fake_server import FakeTiming, start  # noqa: E402
 
@@ -44,12 +46,6 @@ async def fake_url(fake_timing: FakeTiming) -> AsyncIterator[str]:
     async with server:
         yield f"http://127.0.0.1:{port}/v1"
         server.close()
-
-
-def _ferry_command() -> list[str]:
-    exe = Path(sys.executable).with_name("ferry")
-    prefix = [str(exe)] if exe.exists() else [sys.executable, "-m", "server.cli"]
-    return [*prefix, "serve", "--port", "0"]
 
 
 def _wait_healthy(proc: subprocess.Popen, log: Path) -> str:
@@ -75,7 +71,8 @@ def ferry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("ferry") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _ferry_command(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            [*ferry_command(), "serve", "--port", "0"], cwd=ROOT, stdout=out,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
     try:

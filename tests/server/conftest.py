@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import ferry_command
 
 from bench.common import stop_process
 
@@ -71,11 +71,6 @@ class Server:
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
-
-
-def _ferry_command() -> list[str]:
-    script = Path(sys.executable).parent / "ferry"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "server.cli"]
 
 
 def _wait_ready(proc: subprocess.Popen, log_path: Path) -> tuple[str, str, str]:
@@ -140,7 +135,7 @@ def run_server(
     """``ferry serve --port 0 --api-key ... <flags>`` until the block exits; ``healthy``:
     wait for /ready to say 200 (not with workers still to join); ``prefix``: a command
     that runs it (such as ``setpriv ...``); ``env``: more environment."""
-    command = [*prefix, *_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
+    command = [*prefix, *ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, *flags]
     with _process(command, log_path, env) as proc:
         model, base_url, control_url = _wait_ready(proc, log_path)
         if healthy:
@@ -156,7 +151,7 @@ def run_worker(
     log_path: Path, *flags: str, env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen]:
     """``ferry worker <flags>`` until the block exits (SIGTERM: it drains)."""
-    command = [*_ferry_command(), "worker", *flags]
+    command = [*ferry_command(), "worker", *flags]
     with _process(command, log_path, env) as proc:
         deadline = time.monotonic() + 30
         while not _WORKER_READY.search(log_path.read_text(errors="replace")):

@@ -11,11 +11,12 @@ import subprocess
 import time
 
 import pytest
-from conftest import ROOT, _ferry_command
+from conftest import ROOT
+from helpers import ferry_command
 
 
 def ferry(*argv: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*_ferry_command(), *argv], capture_output=True, text=True,
+    return subprocess.run([*ferry_command(), *argv], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=env)  # fmt: skip
 
 
@@ -136,7 +137,7 @@ def test_help_shows_the_defaults():
 def test_ctrl_c_while_the_workers_start_stops_everything_with_one_line(tmp_path):
     log_path = tmp_path / "serve.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([*_ferry_command(), "serve", "--port", "0", "--threads", "1"],
+        proc = subprocess.Popen([*ferry_command(), "serve", "--port", "0", "--threads", "1"],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                                 start_new_session=True)  # fmt: skip
     try:

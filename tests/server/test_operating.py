@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import API_KEY, Server, _ferry_command, _process, run_server
+from conftest import API_KEY, Server, _process, run_server
+from helpers import ferry_command
 
 pytestmark = pytest.mark.slow
 
@@ -193,7 +194,7 @@ def test_with_a_topology_file_and_json_logs_every_process_writes_json(tmp_path):
         "log": {"log-format": "json"},
     }))  # fmt: skip
     log_path = tmp_path / "serve.log"
-    command = [*_ferry_command(), "serve", "--config", str(topology), "--api-key", API_KEY]
+    command = [*ferry_command(), "serve", "--config", str(topology), "--api-key", API_KEY]
     with _process(command, log_path) as proc:
         url = _wait_for_json(proc, log_path, "serving ")["url"]
         reply = httpx.post(f"{url}/v1/completions", timeout=60,

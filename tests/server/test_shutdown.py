@@ -16,7 +16,8 @@ import time
 
 import httpx
 import pytest
-from conftest import API_KEY, CLUSTER_SECRET, ROOT, _ferry_command, _wait_ready
+from conftest import API_KEY, CLUSTER_SECRET, ROOT, _wait_ready
+from helpers import ferry_command
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,7 @@ DRAIN_S = 3
 def start(tmp_path, drain_s: float) -> tuple[subprocess.Popen, str, object]:
     """``ferry serve`` of the tiny model in its own process group, ready; its log path."""
     log_path = tmp_path / "serve.log"
-    command = [*_ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, "--model",
+    command = [*ferry_command(), "serve", "--port", "0", "--api-key", API_KEY, "--model",
                "dummy:tiny", "--threads", "1", "--kv-tiers", "none", "--drain-timeout",
                str(drain_s)]  # fmt: skip
     env = {**os.environ, "FERRY_CLUSTER_SECRET": CLUSTER_SECRET}

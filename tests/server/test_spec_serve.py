@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Server, assert_sound
-from helpers import metric
+from helpers import ferry_command, metric
 
 FLAGS = ("--threads", "1", "--block-size", "16", "--kv-tiers", "none")
 PROMPTS = [
@@ -121,10 +121,9 @@ def test_metrics_show_drafts_proposed_the_verify_budget_and_the_estimates_errors
 
 
 def test_a_temperature_list_of_the_wrong_length_is_refused_at_start(model):
-    from conftest import _ferry_command
 
     run = subprocess.run(
-        [*_ferry_command(), "serve", "--model", str(model), "--speculative", "ngram",
+        [*ferry_command(), "serve", "--model", str(model), "--speculative", "ngram",
          "--num-speculative-tokens", "4", "--spec-confidence-temperatures", "1.0,0.8"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -8,7 +8,8 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import ROOT, _ferry_command
+from conftest import ROOT
+from helpers import ferry_command
 
 from server import serve
 from server.cli import build_parser, commands, with_topology
@@ -90,7 +91,7 @@ def test_a_worker_takes_its_own_keys_and_leaves_the_frontends(topo):
 ])  # fmt: skip
 def test_a_mistake_in_the_file_is_one_line_naming_it(topo, data, problem):
     path = topo(data)
-    run = subprocess.run([*_ferry_command(), "serve", "--config", path], capture_output=True,
+    run = subprocess.run([*ferry_command(), "serve", "--config", path], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)  # fmt: skip
     assert run.returncode == 2 and "Traceback" not in run.stderr
     error = run.stderr.splitlines()[-1]
@@ -102,6 +103,6 @@ def test_a_missing_or_broken_file_is_one_line(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("pools: [prefill: 1\n")
     for path, problem in ((tmp_path / "none.yaml", "No such file"), (broken, "not valid YAML")):
-        run = subprocess.run([*_ferry_command(), "serve", "--config", str(path)],
+        run = subprocess.run([*ferry_command(), "serve", "--config", str(path)],
                              capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
         assert run.returncode == 2 and problem in run.stderr.splitlines()[-1], run.stderr
