@@ -49,6 +49,7 @@ one synchronisation.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +62,7 @@ from engine.attention.base import (
     AttentionBackend,
     AttentionMetadata,
     ForwardContext,
+    device_arrays,
     device_index,
     device_indices,
     host_to_device,
@@ -499,10 +501,15 @@ class ModelRunner:
         step's hidden states (one row per token; None from a CUDA graph without them)."""
         chunks = one_token_rows(plan.chunks) or plan.chunks
         self._shift = None
-        prompt_rows = [self.states[c.request_id].prompt_rows(c) for c in chunks]
-        offsets = [self.states[c.request_id].rope_offset(c.start_pos) for c in chunks]
-        if (self.graphs is not None and self.graphs.accepts(chunks) and not any(prompt_rows)
-                and None not in offsets):  # fmt: skip
+        # a row at a time only where a request asks it: its prompt's logprobs, or positions
+        # of its own (M-RoPE)
+        states = [self.states[c.request_id] for c in plan.chunks]
+        prompt_rows = ([self.states[c.request_id].prompt_rows(c) for c in chunks]
+                       if any(s.wants_prompt_logprobs for s in states) else [])  # fmt: skip
+        offsets = ([self.states[c.request_id].rope_offset(c.start_pos) for c in chunks]
+                   if any(s.rope is not None for s in states) else [])  # fmt: skip
+        if (self.graphs is not None and not any(prompt_rows) and None not in offsets
+                and self.graphs.accepts(chunks)):  # fmt: skip
             logits = self.graphs.run(chunks, offsets if any(offsets) else None)
             self.num_forwards += 1
             hidden = self.graphs.hidden(len(chunks))
@@ -759,22 +766,23 @@ class ModelRunner:
         model whose rotary positions are not the token indices (M-RoPE past an image) gets
         its own, and image tokens their embeddings."""
         chunks = plan.chunks
-        index = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-        positions = self._rope_positions(chunks, index)
+        positions = self._rope_positions(chunks)
         inputs, host_ids = step_inputs(chunks, self.block_size, self.device, positions)
         owners = [c.request_id for c in chunks for _ in range(c.num_tokens)]
         self.resolve_inputs(inputs.input_ids, inputs.positions, inputs.meta, host_ids, owners)
         spliced = self._spliced(chunks)
         return inputs if spliced is None else replace(inputs, spliced=spliced)
 
-    def _rope_positions(self, chunks: list[ScheduledChunk], index: np.ndarray) -> np.ndarray:
-        """The model's positions for the step's tokens (``index``: their token indices):
-        [T] when every token sits at its index + an offset, else [streams, T]."""
+    def _rope_positions(self, chunks: list[ScheduledChunk]) -> np.ndarray | None:
+        """The model's positions for the step's tokens where they are not their token
+        indices (None): [T] when every token sits at its index + an offset, else
+        [streams, T]."""
         states = [self.states[c.request_id] for c in chunks]
         offsets = [s.rope_offset(c.start_pos) for s, c in zip(states, chunks)]
         if None not in offsets:
             if not any(offsets):
-                return index.astype(np.int64)
+                return None
+            index = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
             lengths = [c.num_tokens for c in chunks]
             return index + np.repeat(np.array(offsets, dtype=np.int64), lengths)
         streams = next(s.rope.prompt.shape[0] for s in states if s.rope is not None)
@@ -818,40 +826,45 @@ def step_inputs(
     """The tensors of a forward over ``chunks`` (each a sequence's next tokens over its
     block table): ids, positions (the token indices, or ``rope_positions`` where the model
     places tokens otherwise), attention metadata, and the rows to sample (each sampling
-    chunk's last ``num_sampled_rows``); also the ids as a host array."""
-    bs = block_size
-    query_lens = [c.num_tokens for c in chunks]
-    seq_lens = [c.end_pos for c in chunks]
-    positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in chunks])
-    tables = padded_tables([c.block_ids for c in chunks])
-    owner = np.repeat(np.arange(len(chunks)), query_lens)
-    slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
-    cu = np.zeros(len(chunks) + 1, dtype=np.int32)
+    chunk's last ``num_sampled_rows``); also the ids as a host array.
+
+    Built a chunk at a time, not a row at a time (a verify step has a row per draft), and
+    copied to the device in two copies, one per dtype."""
+    n, bs = len(chunks), block_size
+    query_lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+    starts = np.fromiter((c.start_pos for c in chunks), np.int64, n)
+    seq_lens = starts + query_lens
+    cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
-    sampled = [i for i, c in enumerate(chunks) if c.sample]
-    sample_rows = np.array(
-        [r for i in sampled for r in range(cu[i + 1] - chunks[i].num_sampled_rows, cu[i + 1])],
-        dtype=np.int64,
-    )
+    owner = np.repeat(np.arange(n), query_lens)
+    rows = np.arange(cu[-1])
+    positions = rows - cu[owner] + starts[owner]
+    tables = padded_tables([c.block_ids for c in chunks])
+    slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+    sampled = np.fromiter((c.num_sampled_rows for c in chunks), np.int64, n)
+    sample_rows = np.flatnonzero(cu[owner + 1] - rows <= sampled[owner])
+    input_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks),
+                            np.int64, int(cu[-1]))  # fmt: skip
+    ids, pos, slot_mapping, sample_at = device_arrays(
+        device, np.int64, input_ids, positions if rope_positions is None else rope_positions,
+        slots, sample_rows)  # fmt: skip
+    query_start, lengths, block_tables = device_arrays(device, np.int32, cu, seq_lens, tables)
     meta = AttentionMetadata(
-        query_start_loc=host_to_device(cu, device),
-        seq_lens=host_to_device(np.array(seq_lens, dtype=np.int32), device),
-        block_tables=host_to_device(tables, device),
-        slot_mapping=host_to_device(slots, device),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
+        query_start_loc=query_start,
+        seq_lens=lengths,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        max_query_len=int(query_lens.max(initial=0)),
+        max_seq_len=int(seq_lens.max(initial=0)),
+        query_lens_cpu=query_lens.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
     )
-    input_ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64)
     inputs = StepInputs(
-        input_ids=host_to_device(input_ids, device),
-        positions=host_to_device(
-            (positions if rope_positions is None else rope_positions).astype(np.int64), device
-        ),
+        input_ids=ids,
+        positions=pos,
         meta=meta,
-        sample_rows=host_to_device(sample_rows, device),
-        sample_ids=[chunks[i].request_id for i in sampled],
+        sample_rows=sample_at,
+        sample_ids=[c.request_id for c in chunks if c.sample],
     )
     return inputs, input_ids
 

@@ -223,7 +223,12 @@ def device_indices(device: torch.device, *values) -> list[torch.Tensor]:
     ``device``, in their shapes, from one copy: on CUDA each copy from the host costs the
     host some 20-30 us (a pinned staging buffer, the copy, an event) whatever its size,
     and a verify step needs a dozen such arrays."""
-    arrays = [np.asarray(v, dtype=np.int64) for v in values]
+    return device_arrays(device, np.int64, *values)
+
+
+def device_arrays(device: torch.device, dtype: type, *values) -> list[torch.Tensor]:
+    """``device_indices`` in ``dtype``."""
+    arrays = [np.asarray(v, dtype=dtype) for v in values]
     flat = host_to_device(np.concatenate([a.reshape(-1) for a in arrays]), device)
     out, at = [], 0
     for a in arrays:
