@@ -218,6 +218,9 @@ def device_index(values, device: torch.device) -> torch.Tensor:
     return host_to_device(np.asarray(values, dtype=np.int64), device)
 
 
+ALIGN_BYTES = 64  # where each array of a packed copy starts (``device_arrays``)
+
+
 def device_indices(device: torch.device, *values) -> list[torch.Tensor]:
     """Several arrays of host ints (lists, nested lists or arrays) as int64 tensors on
     ``device``, in their shapes, from one copy: on CUDA each copy from the host costs the
@@ -227,14 +230,16 @@ def device_indices(device: torch.device, *values) -> list[torch.Tensor]:
 
 
 def device_arrays(device: torch.device, dtype: type, *values) -> list[torch.Tensor]:
-    """``device_indices`` in ``dtype``."""
+    """``device_indices`` in ``dtype``. Each array starts a multiple of ``ALIGN_BYTES``
+    into the copy: a kernel may read its arguments in aligned vectors."""
     arrays = [np.asarray(v, dtype=dtype) for v in values]
-    flat = host_to_device(np.concatenate([a.reshape(-1) for a in arrays]), device)
-    out, at = [], 0
-    for a in arrays:
-        out.append(flat[at : at + a.size].view(a.shape))
-        at += a.size
-    return out
+    step = max(1, ALIGN_BYTES // np.dtype(dtype).itemsize)
+    starts = np.cumsum([0] + [-(-a.size // step) * step for a in arrays])
+    host = np.zeros(int(starts[-1]), dtype=dtype)
+    for a, at in zip(arrays, starts):
+        host[at : at + a.size] = a.reshape(-1)
+    flat = host_to_device(host, device)
+    return [flat[at : at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
 
 
 def slots_of(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

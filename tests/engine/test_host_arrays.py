@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.attention.base import device_indices, padded_tables
+from engine.attention.base import ALIGN_BYTES, device_arrays, device_indices, padded_tables
 
 
 def test_device_indices_gives_each_array_back_in_its_shape():
@@ -19,6 +19,14 @@ def test_device_indices_gives_each_array_back_in_its_shape():
     assert d.tolist() == [[7], [8]]
     a[0] = 9  # a view of the one copy: writing it leaves the others as they were
     assert b.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_each_array_of_a_packed_copy_starts_aligned():
+    arrays = device_arrays(torch.device("cpu"), np.int32, [1, 2, 3], [[4], [5]], [], [6] * 17)
+    base = arrays[0].data_ptr()
+    assert all((a.data_ptr() - base) % ALIGN_BYTES == 0 for a in arrays if a.numel())
+    assert [a.tolist() for a in arrays] == [[1, 2, 3], [[4], [5]], [], [6] * 17]
+    assert all(a.dtype == torch.int32 for a in arrays)
 
 
 def test_padded_tables_pads_with_the_null_block_to_the_width_asked():
