@@ -332,7 +332,8 @@ class ModelRunner:
             for tokens in (launched.plain, launched.verified):
                 if tokens is not None:
                     tokens.start_copy()  # before the drafting: read back without waiting for it
-            if self.drafter is not None and self.drafter.on_device:
+            drafter = self.drafter
+            if drafter is not None and drafter.on_device and self._drafts_behind(launched):
                 launched.drafting = self._launch_drafts(launched)
                 clock.mark()
         self._previous = self._left_behind(launched)
@@ -616,15 +617,20 @@ class ModelRunner:
                 break
         return frozenset(ended)
 
+    def _drafts_behind(self, launched: _Launched) -> bool:
+        """Whether the drafter works after this step: it proposes then, or it must see
+        every step (a model drafter writes the KV of its tokens). Not while it rests: the
+        step then costs what a step without speculation costs."""
+        assert self.drafter is not None
+        return launched.plan.propose or self.drafter.sees_every_step
+
     def _propose(
         self, launched: _Launched, emitted: dict[str, list[int]], ended: frozenset[str]
     ) -> dict[str, Proposal]:
         """The drafter's proposals for the requests that sampled and go on, each cut where
         its grammar would reject a draft."""
-        if self.drafter is None:
+        if self.drafter is None or not self._drafts_behind(launched):
             return {}
-        if not launched.plan.propose and not self.drafter.sees_every_step:
-            return {}  # nothing to propose, nothing to keep up to date
         chunks = launched.plan.chunks
         num_real, token_ids, requests = [], [], []
         for chunk in chunks:
