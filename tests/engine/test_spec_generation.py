@@ -245,11 +245,33 @@ def test_mtp_drafts_mostly_kept_leave_greedy_outputs_unchanged(
     assert verified > 0 and accepted > (0.75 if schedule == "fixed" else 0.5) * verified
 
 
+def _eight_requests_speculating(method: str) -> int:
+    """Eight greedy requests of 120 tokens with the drafter ``method`` (K = 3, dynamic,
+    overlap on), run to the end; the steps it took (the allocators checked after)."""
+    from engine.messages import EngineRequest
+
+    llm = LLM(EngineConfig(
+        model="dummy:tiny", num_threads=1, overlap_scheduling=True,
+        speculative=SpeculativeConfig(method=method, num_speculative_tokens=3),
+        cache=CacheConfig(block_size=16, num_blocks=200),
+        scheduler=SchedulerConfig(max_num_batched_tokens=256),
+    ))  # fmt: skip
+    core = llm.core
+    for i in range(8):
+        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        core.add_request(EngineRequest(f"r{i}", [5 + i] * 8, params))
+    steps = 0
+    while core.has_work:
+        core.step()
+        steps += 1
+    core.check_integrity()
+    return steps
+
+
 def test_the_drafter_rests_while_the_dynamic_policy_verifies_nothing():
     """Drafts of confidence 0 never pay: once its cost model has its samples the dynamic
     policy verifies none, and the drafter is asked to propose after a few steps in
     QUIET_STEPS only (proposals for every request every step cost a busy host its time)."""
-    from engine.messages import EngineRequest
     from engine.spec import Drafter, Proposal, register_drafter
 
     class Zero(Drafter):
@@ -262,23 +284,9 @@ def test_the_drafter_rests_while_the_dynamic_policy_verifies_nothing():
                                            [0.0] * r.num_draft) for r in step.requests}  # fmt: skip
 
     register_drafter("zero", lambda config, target, device, dtype: Zero(config.max_draft))
-    llm = LLM(EngineConfig(
-        model="dummy:tiny", num_threads=1, overlap_scheduling=True,
-        speculative=SpeculativeConfig(method="zero", num_speculative_tokens=3),
-        cache=CacheConfig(block_size=16, num_blocks=200),
-        scheduler=SchedulerConfig(max_num_batched_tokens=256),
-    ))  # fmt: skip
-    core = llm.core
-    for i in range(8):
-        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-        core.add_request(EngineRequest(f"r{i}", [5 + i] * 8, params))
-    steps = 0
-    while core.has_work:
-        core.step()
-        steps += 1
+    steps = _eight_requests_speculating("zero")
     assert steps > 100
     assert Zero.asked < steps / 4
-    core.check_integrity()
 
 
 def test_a_drafter_on_the_device_is_not_launched_behind_the_steps_it_rests():
@@ -288,7 +296,6 @@ def test_a_drafter_on_the_device_is_not_launched_behind_the_steps_it_rests():
     the launch of nobody's drafts took 0.3 ms a step)."""
     import torch
 
-    from engine.messages import EngineRequest
     from engine.spec import Drafter, register_drafter
     from engine.spec.base import Drafting
     from engine.spec.chain import Chained
@@ -312,23 +319,9 @@ def test_a_drafter_on_the_device_is_not_launched_behind_the_steps_it_rests():
             return Drafting(ids, chained)
 
     register_drafter("zero-on-device", lambda config, *_: ZeroOnDevice(config.max_draft))
-    llm = LLM(EngineConfig(
-        model="dummy:tiny", num_threads=1, overlap_scheduling=True,
-        speculative=SpeculativeConfig(method="zero-on-device", num_speculative_tokens=3),
-        cache=CacheConfig(block_size=16, num_blocks=200),
-        scheduler=SchedulerConfig(max_num_batched_tokens=256),
-    ))  # fmt: skip
-    core = llm.core
-    for i in range(8):
-        params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-        core.add_request(EngineRequest(f"r{i}", [5 + i] * 8, params))
-    steps = 0
-    while core.has_work:
-        core.step()
-        steps += 1
+    steps = _eight_requests_speculating("zero-on-device")
     assert steps > 100
     assert ZeroOnDevice.launched < steps / 4
-    core.check_integrity()
 
 
 def test_the_host_time_the_policy_counts_on_the_cpu_leaves_the_forward_out():
