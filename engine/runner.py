@@ -784,6 +784,8 @@ class ModelRunner:
         indices (None): [T] when every token sits at its index + an offset, else
         [streams, T]."""
         states = [self.states[c.request_id] for c in chunks]
+        if all(s.rope is None for s in states):
+            return None  # text only: every offset 0
         offsets = [s.rope_offset(c.start_pos) for s, c in zip(states, chunks)]
         if None not in offsets:
             if not any(offsets):
