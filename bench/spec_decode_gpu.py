@@ -61,7 +61,8 @@ the steps that explored an unmeasured size. Every arm's steps are traced one lin
 (``*_trace.jsonl``: arm, point, tokens, drafts, tokens yielded, wall interval, device
 time, predicted time, the guard's cumulative blocked and probe counts, the median host
 time of a step, the wait the policy prices a step with drafts at, and the host seconds
-spent planning the step and launching it: ``HostClock``). At the end the
+spent planning the step and launching it, and the decode graph bucket it replayed, 0
+where it ran eagerly: ``HostClock``). At the end the
 JSON, the PNG and the trace are packed into one ``.tar.gz`` beside the JSON (the trace
 lives only there).
 """
@@ -218,22 +219,30 @@ class HostClock:
         def timed_schedule() -> StepPlan:
             start = time.perf_counter()
             plan = schedule()
-            self._spans[id(plan)] = [time.perf_counter() - start, 0.0]
+            self._spans[id(plan)] = [time.perf_counter() - start, 0.0, 0]
             return plan
 
         def timed_launch(plan: StepPlan):
+            graphs = core.runner.graphs
+            replays = graphs.replays if graphs is not None else 0
             start = time.perf_counter()
             launched = launch(plan)
-            self._spans.setdefault(id(plan), [0.0, 0.0])[1] = time.perf_counter() - start
+            spans = self._spans.setdefault(id(plan), [0.0, 0.0, 0])
+            spans[1] = time.perf_counter() - start
+            if graphs is not None and graphs.replays > replays:
+                spans[2] = graphs.replayed_size
             return launched
 
         core.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
         core.runner.launch = timed_launch  # type: ignore[method-assign]
 
-    def take(self, plan: StepPlan) -> tuple[float | None, float | None]:
-        """The plan's (schedule, launch) seconds, once (None: not timed)."""
+    def take(self, plan: StepPlan) -> tuple[float | None, float | None, int | None]:
+        """The plan's (schedule, launch) seconds and the decode graph bucket its forward
+        replayed (0: none, eager), once (None: not timed)."""
         spans = self._spans.pop(id(plan), None)
-        return (None, None) if spans is None else (round(spans[0], 6), round(spans[1], 6))
+        if spans is None:
+            return None, None, None
+        return round(spans[0], 6), round(spans[1], 6), spans[2]
 
 
 class TracedSpecDecoding(SpecDecoding):
@@ -266,13 +275,13 @@ class TracedSpecDecoding(SpecDecoding):
             None if predicted is None else round(predicted, 6),
             guard.blocked if guard else 0, guard.probes if guard else 0,
             round(self.host.value(), 6), round(self.exposed_host_s(), 6),
-            *(self.host_clock.take(plan) if self.host_clock else (None, None)),
+            *(self.host_clock.take(plan) if self.host_clock else (None, None, None)),
         ])  # fmt: skip
 
 
 TRACE_FIELDS = ["arm", "point", "tokens", "drafts", "yielded", "interval_s", "device_s",
                 "predicted_s", "guard_blocked", "guard_probes", "host_s",
-                "exposed_host_s", "schedule_s", "launch_s"]  # fmt: skip
+                "exposed_host_s", "schedule_s", "launch_s", "graph"]  # fmt: skip
 
 
 def arm_cores(core: EngineCore, drafter: Drafter, method: str) -> dict[str, Callable]:

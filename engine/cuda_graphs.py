@@ -149,6 +149,8 @@ class DecodeGraphs(Buckets):
         self.max_blocks = math.ceil(max_seq_len / block_size)
         self._buckets = {b: self._allocate(b) for b in self.sizes}
         self._recorder = None  # on the CPU, once programs are checked: (kernels, embedding)
+        self.replays = 0  # steps replayed from a captured graph, and the latest one's bucket
+        self.replayed_size = 0
         # fills in what a step still running left on the device (ModelRunner.resolve_inputs)
         self.resolve_inputs = None
         if capture:
@@ -176,6 +178,8 @@ class DecodeGraphs(Buckets):
         self._last = bucket
         if bucket.graph is not None:
             bucket.graph.replay()
+            self.replays += 1
+            self.replayed_size = bucket.size
             return bucket.logits
         if bucket.program is not None:
             self._replay(bucket, self._recorder[1])

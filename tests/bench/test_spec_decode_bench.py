@@ -96,10 +96,10 @@ def test_arms_on_one_engine_and_their_records(core):
             assert by[(c, arm)]["outputs_equal_none"] == 1.0
             assert by[(c, arm)]["vs_none"] > 0
     assert sum(by[(4, "fixed-3")]["accepted_by_position"]) > 0
-    for arm in ("none", "fixed-3", "dynamic"):  # a line a step, with its host times
+    for arm in ("none", "fixed-3", "dynamic"):  # a line a step, its host times, no graph
         trace = cores[arm].spec.trace
         assert trace and all(len(row) == len(TRACE_FIELDS) for row in trace)
-        assert all(row[-2] >= 0 and row[-1] > 0 for row in trace)
+        assert all(row[-3] >= 0 and row[-2] > 0 and row[-1] == 0 for row in trace)
     repeated = run_arms({k: cores[k] for k in ("none", "dynamic")},
                         {"decode": lambda c: jobs(c, 4)}, [2], rounds=1, log=lambda line: None,
                         min_tokens=5 * 2 * 4)  # fmt: skip
