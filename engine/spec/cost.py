@@ -41,7 +41,8 @@
   then cost a whole step's host wait for a few tokens).
 
   ``forget_idle`` forgets the groups above a size that no step came to lately (the policy
-  asked again after the drafter rested, ``SpecDecoding``); once two groups were measured
+  asked again after the drafter rested, ``SpecDecoding``), ``forget`` one group (the
+  policy measures a size again, ``engine.spec.policy``); once two groups were measured
   the estimator stays ready on one. A group no step has come to for ``stale_after``
   steps is forgotten (two always stay),
   so its size counts as unmeasured again (and is explored again, ``engine.spec.policy``):
@@ -156,12 +157,24 @@ class ForwardTimeEstimator:
         (``engine.spec.policy`` explores a forgotten size once more, the smallest first;
         one larger size kept dear, the line to it would keep the smaller from looking
         worth exploring). The step's own size stays, so the estimator stays ready."""
-        size = graph_size(tokens)
-        idle = [key for key, last in self._last.items()
-                if key[0] == decode and key[1] > size and self._added - last >= steps]  # fmt: skip
+        idle = [(decode, size) for size in self.idle_sizes(tokens, decode, steps)]
         idle = idle[: max(len(self._groups) - 1, 0)]
         self._forget(idle)
         return len(idle)
+
+    def idle_sizes(self, tokens: int, decode: bool, steps: int) -> list[int]:
+        """The sizes of the groups of this kind above a step of ``tokens`` tokens that no
+        step came to in the last ``steps`` steps, smallest first."""
+        size = graph_size(tokens)
+        return sorted(key[1] for key, last in self._last.items()
+                      if key[0] == decode and key[1] > size and self._added - last >= steps)
+
+    def forget(self, tokens: int, decode: bool) -> None:
+        """Forget the group of a step of ``tokens`` tokens of this kind: its size counts
+        as never measured."""
+        key = (decode, graph_size(tokens))
+        if key in self._groups:
+            self._forget([key])
 
     def _forget(self, keys: list[tuple[bool, int]]) -> None:
         """Drop these groups and what was derived from them."""

@@ -759,6 +759,34 @@ def test_a_size_made_dear_by_its_first_steps_is_measured_again_once_stale():
     assert forward.measured(6, True)
 
 
+def test_a_decode_size_measured_dear_long_ago_is_measured_again_where_it_would_pay():
+    """A lone request on an H100: its 8-row bucket was first measured on steps of two
+    sequences, at 7.7 ms where its own steps take 6.5, and it verified 3 drafts where 5
+    paid for 530 steps, until the group went stale. A decode size above the choice that
+    no step came to in ``REMEASURE_AFTER`` steps is measured again where it would pay at
+    ``REMEASURE_DISCOUNT`` under its measure; one measured dear by far never is."""
+    forward_s = {1: 5.83e-3, 2: 5.94e-3, 4: 6.12e-3, 8: 6.53e-3}
+
+    def run(dear_s: float) -> list[int]:
+        policy = DynamicPolicy()
+        for _ in range(3):  # two-sequence steps in the 8-row bucket, 4-row steps
+            policy.observe(7, dear_s, 0.0001, 0.0, True)
+            policy.observe(4, forward_s[4], 0.0001, 0.0, True)
+        curves = [survival(RATES)]
+        step = VerifyStep(curves, curves, 1, 1, decode=True)
+        chosen = []
+        for _ in range(200):
+            (n,) = policy.lengths(step)
+            chosen.append(n)
+            policy.observe(1 + n, forward_s[graph_size(1 + n)], 0.0001, 0.0, True)
+        return chosen
+
+    chosen = run(7.7e-3)
+    assert chosen[:40] == [3] * 40  # the 8-row bucket priced at 7.7 ms
+    assert chosen[-100:] == [5] * 100  # measured again: every draft pays
+    assert 5 not in run(13e-3)  # twice the 4-row step: not worth measuring again
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_forward_times_in_one_pass_equal_time_of_each(seed):
     rng = random.Random(seed)
