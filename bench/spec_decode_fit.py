@@ -83,9 +83,10 @@ def read_trace(archive: Path) -> tuple[list[Step], list[dict]]:
     steps = []
     for line in lines[1:]:
         row = dict(zip(header, json.loads(line)))
-        if row["point"] in ("warm", "sync", "profiled"):  # the warm-up and the diagnosis
+        parts = row["point"].rsplit("-", 2)  # workload-concurrency-round, else the warm-up
+        if len(parts) != 3 or not parts[1].isdigit():  # and the diagnoses (warm, host-..)
             continue
-        workload, c, _ = row["point"].rsplit("-", 2)
+        workload, c, _ = parts
         steps.append(Step(row["arm"], workload, int(c), row["tokens"], row["drafts"],
                           row["yielded"], row["interval_s"], row["device_s"]))  # fmt: skip
     return steps, records

@@ -44,3 +44,12 @@ def test_a_step_with_prefill_and_drafts_delays_the_outcome_before_it_whatever_it
     assert 0.005 < fitted["issue_drafts_s"] < 0.012
     assert abs(fitted["issue_draft_s"]) < 40e-6
     assert H200Costs().issue_draft_s == 0.0
+
+
+def test_a_newer_sweeps_diagnoses_are_left_out_of_its_steps():
+    """Later sweeps trace their diagnoses too (``host-none``, ``host-fixed-3``, ..): only
+    the points of a workload at a concurrency are steps to fit."""
+    steps, _ = read_trace(TRACES / "spec_decode_h100.tar.gz")
+    assert len(steps) > 20_000
+    assert {s.workload for s in steps} == {"decode", "prefill-heavy"}
+    assert {s.concurrency for s in steps} == {1, 16, 64, 128, 256}
