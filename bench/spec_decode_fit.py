@@ -10,6 +10,9 @@ spell of the host's moves a median, not a mean):
 - ``graph_s``: decode steps a CUDA graph replays (every chunk one token plus its drafts:
   they yield at least a token a row; at most 256 rows), without drafts: the median device
   time per graph bucket, less ``sample_s``;
+- ``verify_graph_s`` (``--graph-rows`` past 256: the sweep replayed verify steps of that
+  many rows from graphs): those steps' median device time per bucket past 256 rows, less
+  sampling, verification and drafting;
 - ``verify_s``: what a replayed decode step with drafts adds to one without in the same
   bucket (the median over buckets), less the drafter's ``draft_s``;
 - ``eager_s`` + ``eager_row_s`` a row: decode steps past the graphs (all verify drafts),
@@ -33,14 +36,14 @@ import argparse
 import json
 import statistics
 import tarfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
 from engine.spec.cost import graph_size
 
-GRAPH_ROWS = 256  # the largest decode step a CUDA graph replayed in the sweeps fitted
+GRAPH_ROWS = 256  # the largest decode step without drafts a CUDA graph replays
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,8 @@ class Step:
         """Every chunk one token plus its drafts: each row yields (a prompt's do not)."""
         return self.yielded >= self.base
 
-    @property
-    def replayed(self) -> bool:
-        return self.decode and self.tokens <= GRAPH_ROWS
+    def replayed(self, graph_rows: int = GRAPH_ROWS) -> bool:
+        return self.decode and self.tokens <= graph_rows
 
 
 def read_trace(archive: Path) -> tuple[list[Step], list[dict]]:
@@ -102,18 +104,22 @@ def robust_fit(x: np.ndarray, y: np.ndarray, rounds: int = 30) -> np.ndarray:
     return coef
 
 
-def fit(steps: list[Step], sample_s: float, draft_s: float) -> dict[str, object]:
-    """The fitted ``H200Costs`` fields (module docstring), in seconds."""
+def fit(steps: list[Step], sample_s: float, draft_s: float,
+        graph_rows: int = GRAPH_ROWS) -> dict[str, object]:  # fmt: skip
+    """The fitted ``H200Costs`` fields (module docstring), in seconds; ``graph_rows``:
+    the most rows the sweep's graphs replayed."""
     plain: dict[int, list[float]] = {}
     drafted: dict[int, list[float]] = {}
     for s in steps:
-        if s.replayed:
+        if s.replayed(graph_rows):
             (drafted if s.drafts else plain).setdefault(graph_size(s.tokens), []).append(s.device_s)
     graph = {b: statistics.median(v) for b, v in plain.items() if len(v) >= 3}
     added = [statistics.median(drafted[b]) - graph[b] for b in graph
              if len(drafted.get(b, ())) >= 3]  # fmt: skip
     verify_s = statistics.median(added) - draft_s
-    eager = [s for s in steps if s.decode and not s.replayed]
+    verify_graph = {b: statistics.median(v) - sample_s - verify_s - draft_s
+                    for b, v in drafted.items() if b > GRAPH_ROWS and len(v) >= 3}  # fmt: skip
+    eager = [s for s in steps if s.decode and not s.replayed(graph_rows)]
     e0, e1 = robust_fit(np.array([[1.0, s.tokens] for s in eager]),
                         np.array([s.device_s for s in eager]))  # fmt: skip
     mixed = [s for s in steps if not s.decode]
@@ -123,14 +129,18 @@ def fit(steps: list[Step], sample_s: float, draft_s: float) -> dict[str, object]
     for before, after in zip(steps, steps[1:]):
         same = (before.arm, before.workload, before.concurrency) == (
             after.arm, after.workload, after.concurrency)  # fmt: skip
-        if same and before.replayed and not after.decode and before.interval_s is not None:
+        if (same and before.replayed(graph_rows) and not after.decode
+                and before.interval_s is not None):  # fmt: skip
             (late if after.drafts else early).append(
                 (after.drafts, before.interval_s - before.device_s))
     i0, i1 = robust_fit(np.array([[1.0, d] for d, _ in late]),
                         np.array([x for _, x in late]))  # fmt: skip
     on_time = statistics.median(x for _, x in early)
+    verify_graphs = {"verify_graph_s": tuple((b, round(t, 6)) for b, t in
+                                             sorted(verify_graph.items()))} if verify_graph else {}
     return {
         "graph_s": tuple((b, round(t - sample_s, 6)) for b, t in sorted(graph.items())),
+        **verify_graphs,
         "verify_s": round(verify_s, 6),
         "eager_s": round(e0 - sample_s - verify_s - draft_s, 6),
         "eager_row_s": round(e1, 8),
@@ -143,13 +153,15 @@ def fit(steps: list[Step], sample_s: float, draft_s: float) -> dict[str, object]
     }
 
 
-def compare(records: list[dict], seeds: int) -> list[tuple[str, int, str, float]]:
-    """(workload, concurrency, arm, the sim's mean tok/s over the sweep's) per record."""
+def compare(records: list[dict], seeds: int,
+            costs=None) -> list[tuple[str, int, str, float]]:  # fmt: skip
+    """(workload, concurrency, arm, the sim's mean tok/s over the sweep's) per record, the
+    sim on ``costs`` (default ``H200Costs``)."""
     from bench.spec_decode_sim import run
 
     sims: dict[tuple[str, int, str], list[float]] = {}
     for seed in range(seeds):
-        for r in run(seed=seed):
+        for r in run(seed=seed, costs=costs):
             sims.setdefault((r["workload"], r["concurrency"], r["arm"]), []).append(r["tok_s"])
     return [(r["workload"], r["concurrency"], r["arm"],
              statistics.mean(sims[key]) / r["tok_s"])
@@ -164,16 +176,20 @@ def main() -> None:
     ap.add_argument("archive", type=Path)
     ap.add_argument("--compare", action="store_true", help="the sim against the sweep")
     ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--graph-rows", type=int, default=GRAPH_ROWS,
+                    help="the most rows the sweep replayed from graphs (its verify steps')")
+    ap.add_argument("--fitted", action="store_true",
+                    help="--compare the sim on the fitted costs, not H200Costs'")
     args = ap.parse_args()
     steps, records = read_trace(args.archive)
     costs = H200Costs()
-    fitted = fit(steps, costs.sample_s, costs.draft_s)
+    fitted = fit(steps, costs.sample_s, costs.draft_s, args.graph_rows)
     print(f"{len(steps)} steps of {args.archive}; fitted, and as H200Costs has it:")
     for f in fields(H200Costs):
         if f.name in fitted:
             print(f"  {f.name} = {fitted[f.name]}  ({getattr(costs, f.name)})")
     if args.compare:
-        ratios = compare(records, args.seeds)
+        ratios = compare(records, args.seeds, replace(costs, **fitted) if args.fitted else None)
         fixed = [r for _, _, arm, r in ratios if arm != "dynamic"]  # the policy may differ
         close = sum(abs(r - 1) <= 0.10 for r in fixed)
         print(f"sim / sweep tok/s over {args.seeds} seeds; {close} of the {len(fixed)} none "

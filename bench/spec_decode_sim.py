@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python -m bench.spec_decode_sim [--concurrency 1,16,64,128,256]
         [--workloads decode,prefill-heavy] [--scale N] [--seed N] [--no-overlap]
+        [--machine h200|h100]
 
 No model and no device: the engine's own ``Scheduler``, ``KVCacheManager`` and
 ``SpecDecoding`` (verify policy, step-cost model, realized-gain guard) run as
@@ -168,6 +169,21 @@ class H200Costs:
 
     def collect(self, requests: int) -> float:
         return self.collect_s + self.collect_request_s * requests if requests else 0.0
+
+
+# the H100's (``bench.spec_decode_fit --graph-rows 512`` on the trace of 492089f's sweep,
+# bench/results/traces/spec_decode_h100.tar.gz, 25k steps; over two seeds 56 of its 60 none
+# and fixed points come within 10 % of the H100's tok/s, 50 within 3 %: prefill-heavy at one
+# stream 6-16 % slow). The host's costs stay the H200's: the trace has none of them.
+H100_COSTS = H200Costs(
+    graph_s=((1, 5.64e-3), (2, 5.791e-3), (4, 5.997e-3), (8, 6.588e-3), (16, 6.475e-3),
+             (32, 6.939e-3), (64, 7.071e-3), (128, 8.245e-3), (256, 10.788e-3)),
+    verify_graph_s=((320, 12.609e-3), (384, 14.155e-3), (512, 17.591e-3)),
+    eager_s=3.16e-3, eager_row_s=29.31e-6, mixed_s=2.985e-3, mixed_token_s=23.36e-6,
+    mixed_draft_s=30.42e-6, mixed_drafts_s=1.058e-3, issue_drafts_s=0.054e-3,
+    verify_s=-0.254e-3,  # a step with drafts took less than one without, less the drafting
+)  # fmt: skip
+MACHINES = {"h200": H200Costs(), "h100": H100_COSTS}
 
 
 class Clock:
@@ -544,13 +560,16 @@ def main() -> None:
     ap.add_argument("--spells", default="", metavar="STEP:STEPS,..",
                     help="slow spells of the host in every decode point, e.g. 84:12,120:17 "
                          "(the H200's at 128 streams)")  # fmt: skip
+    ap.add_argument("--machine", choices=sorted(MACHINES), default="h200",
+                    help="whose step costs: the H200's sweep's (H200Costs) or the H100's")
     ap.add_argument("--host-factor", type=float, default=1.0,
                     help="the host this many times as slow (planning, launching, folding "
                          "back, looking up and pricing drafts)")  # fmt: skip
     args = ap.parse_args()
     spells = [(int(a), int(b)) for a, b in (s.split(":") for s in args.spells.split(",") if s)]
     records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
-                  costs=H200Costs().host_times(args.host_factor), overlap=not args.no_overlap,
+                  costs=MACHINES[args.machine].host_times(args.host_factor),
+                  overlap=not args.no_overlap,
                   scale=args.scale, seed=args.seed, spells=spells)  # fmt: skip
     for rec in records:
         line = (f"{rec['workload']:>14} c={rec['concurrency']:<4} {rec['arm']:>8} "
