@@ -35,40 +35,45 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   (``SpecDecoding``).
 
   Drafts must *beat* no drafts: by ``MARGIN`` (3 %) of the rate, about the step-cost
-  model's error (2-5 % a step on the H200 sweep). On the H200 at 256 streams of the 8B
-  shape a verify step of 512 rows yielded 22.4 tok/ms where steps without drafts yielded
-  23.8, and the model, right to within its error on both, put them a percent apart the
-  other way: a choice on that knife-edge lost 3-4 % over the run. In a step with
+  model's error (2-5 % a step on the H200 sweep); an unmeasured size is explored where its
+  optimistic price beats the choice by ``EXPLORE_MARGIN`` (half that: an exploration risks
+  a few steps, and a choice never explored is never corrected). On the H200 at 256 streams
+  of the 8B shape a verify step of 512 rows yielded 22.4 tok/ms where steps without drafts
+  yielded 23.8, and the model, right to within its error on both, put them a percent apart
+  the other way: a choice on that knife-edge lost 3-4 % over the run. In a step with
   prefill, drafts are priced at least at what they add to a decode step of the step's
-  sequences (``base_yield`` rows plus the drafts, the decode kind's points): the
-  prefill kind's line, fitted on steps of long prompts, priced steps of a few hundred
-  prompt tokens and 400-500 drafts 10-20 % under what they took (the drafts' sequences'
-  contexts are read by the prefill path's attention), and drafts packed into them paid
-  21.4 tok/ms against 24.3 without.
+  sequences (``base_yield`` rows plus the drafts, the decode kind's points): the prefill
+  kind's line, fitted on steps of long prompts, priced steps of a few hundred prompt
+  tokens and 400-500 drafts 10-20 % under what they took (the drafts' sequences' contexts
+  are read by the prefill path's attention), and drafts packed into them paid 21.4 tok/ms
+  against 24.3 without.
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
   cheaply than measured (``engine.spec.cost``): a size never run costs what the next
-  larger measured one costs, or past every measured size as much per token as the
-  largest. So an unmeasured size is *explored*: when the optimistic price (the line
-  through the neighbouring sizes) says a total in the first unmeasured size above the
-  measured choice's size pays more than that choice, that total is verified once every
-  ``EXPLORE_EVERY`` steps (at once where the choice is no drafts: exploring then risks
-  least) until its size has samples; then its measured cost decides, and
-  the next size up may be explored. Sizes are explored one at a time, upwards from the
-  choice (an unmeasured size between measured ones too: priced as the larger one, it
-  would otherwise never be tried), so an exploration costs at most one graph size more
-  than what is known.
+  larger measured one costs, or past every measured size as much per token as the largest.
+  So an unmeasured size is *explored*: when the optimistic price (the line through the
+  neighbouring sizes) says a total in the first unmeasured size above the measured
+  choice's size pays more than that choice (by ``EXPLORE_MARGIN``), that total is verified
+  once every ``EXPLORE_EVERY`` steps (at once where the choice is no drafts: exploring
+  then risks least) until its size has samples; then its measured cost decides, and the
+  next size up may be explored. On an H100 at 256 streams, with the full margin, 384 rows
+  priced along the line through 256 and 320 came to 24.3 tok/ms against none's 23.8 raised
+  by 3 % (the H100's fit prices them at 24.8, and 512 rows at 25.8), nothing was explored
+  past 320, and dynamic ran at 0.94x fixed-1 (``bench.spec_decode_sim --machine h100``).
+  Sizes are explored one at a time, upwards from the choice (an unmeasured size between
+  measured ones too: priced as the larger one, it would otherwise never be tried), so an
+  exploration costs at most one graph size more than what is known.
 
   A measured decode size above the choice that no step came to in ``REMEASURE_AFTER``
   steps is measured again (forgotten, then explored) where the choice would take it at
-  ``REMEASURE_DISCOUNT`` under its measure. A size measured dear is never chosen, so
-  never measured again: at one stream on an H100 the 8-row bucket was first measured on
-  the warm-up's steps of two sequences (their medians 7.7 ms with sampling and drafting,
-  where a lone request's steps of that bucket took 6.6), and a lone request verified 3
-  drafts where 5 paid (3.5 % more tokens a second) for 530 steps, until the group went
-  stale (``engine.spec.cost``). The discount keeps a size that is dear by far, such as
-  eager steps past the graphs, from being measured again and again.
+  ``REMEASURE_DISCOUNT`` under its measure. A size measured dear is never chosen, so never
+  measured again: at one stream on an H100 the 8-row bucket, first measured on the
+  warm-up's steps of two sequences, was priced at 7.7 ms a step where a lone request's
+  steps of that bucket took 6.6, and a lone request verified 3 drafts where 5 paid (3.5 %
+  more tokens a second) for 530 steps, until the group went stale (``engine.spec.cost``).
+  The discount keeps a size that is dear by far, such as eager steps past the graphs, from
+  being measured again and again.
 """
 
 from __future__ import annotations
@@ -144,6 +149,7 @@ class FixedPolicy(VerifyPolicy):
 
 
 MARGIN = 0.03  # what drafts must pay beyond no drafts (module docstring)
+EXPLORE_MARGIN = 0.015  # ... for an unmeasured size to be explored (module docstring)
 EXPLORE_EVERY = 4  # steps between two explorations of a step size never measured (a size
 # needs 3 samples: 12 steps)
 REMEASURE_AFTER = 64  # steps without a sample after which a decode size above the choice
@@ -213,13 +219,15 @@ class DynamicPolicy(VerifyPolicy):
             return lambda n: max(table[n] + fixed + (drafting if n else 0.0), host[n])
 
         if decode:
-            def choose(time: Callable[[int], float], limit: int | None) -> int:
-                return best_total(step.budget_curves, step.base_yield, time, limit, MARGIN)
+            def choose(time: Callable[[int], float], limit: int | None,
+                       margin: float = MARGIN) -> int:  # fmt: skip
+                return best_total(step.budget_curves, step.base_yield, time, limit, margin)
         else:  # the step's prefill runs anyway: drafts must pay as decode steps would
             rate = step.base_yield / (forward.time(step.base_yield, True) + fixed)
 
-            def choose(time: Callable[[int], float], limit: int | None) -> int:
-                return best_gain(step.budget_curves, rate, time, limit, MARGIN)
+            def choose(time: Callable[[int], float], limit: int | None,
+                       margin: float = MARGIN) -> int:  # fmt: skip
+                return best_gain(step.budget_curves, rate, time, limit, margin)
 
         total = choose(pricer(False), step.limit)
         self._since_explore += 1
@@ -231,7 +239,7 @@ class DynamicPolicy(VerifyPolicy):
             # size above the measured choice (a size below it is no help: fewer drafts)
             frontier = forward.frontier(step.base_tokens + total, decode) - step.base_tokens
             cap = frontier if step.limit is None else min(step.limit, frontier)
-            hope = choose(pricer(True), cap)
+            hope = choose(pricer(True), cap, EXPLORE_MARGIN)
             if hope > total and not forward.measured(step.base_tokens + hope, decode):
                 total = hope
                 self.explored += 1
