@@ -250,7 +250,10 @@ class DynamicPolicy(VerifyPolicy):
         self.sure = bool(total) or forward.measured(step.base_tokens, decode)
         return allocate(step.curves, total)
 
-    def _remeasure(self, step: VerifyStep, total: int, pricer, choose) -> int:
+    def _remeasure(
+        self, step: VerifyStep, total: int, pricer: Callable[..., Callable[[int], float]],
+        choose: Callable[..., int],
+    ) -> int:  # fmt: skip
         """The total to verify where the smallest decode size above the choice that no
         step came to in ``REMEASURE_AFTER`` steps would pay at ``REMEASURE_DISCOUNT``
         under its measure: one in that size, its samples forgotten (explored again);
