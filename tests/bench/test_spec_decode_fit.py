@@ -46,21 +46,26 @@ def test_a_step_with_prefill_and_drafts_delays_the_outcome_before_it_whatever_it
     assert H200Costs().issue_draft_s == 0.0
 
 
-def test_a_newer_sweeps_diagnoses_are_left_out_of_its_steps():
+@pytest.fixture(scope="module")
+def h100_steps() -> list:
+    steps, _ = read_trace(TRACES / "spec_decode_h100.tar.gz")
+    return steps
+
+
+def test_a_newer_sweeps_diagnoses_are_left_out_of_its_steps(h100_steps):
     """Later sweeps trace their diagnoses too (``host-none``, ``host-fixed-3``, ..): only
     the points of a workload at a concurrency are steps to fit."""
-    steps, _ = read_trace(TRACES / "spec_decode_h100.tar.gz")
+    steps = h100_steps
     assert len(steps) > 20_000
     assert {s.workload for s in steps} == {"decode", "prefill-heavy"}
     assert {s.concurrency for s in steps} == {1, 16, 64, 128, 256}
 
 
-def test_the_simulated_h100_step_costs_are_the_stored_h100_sweeps_fit():
+def test_the_simulated_h100_step_costs_are_the_stored_h100_sweeps_fit(h100_steps):
     """``H100_COSTS``: the fit of the H100's sweep, whose verify steps of up to 512 rows
     replayed graphs."""
-    steps, _ = read_trace(TRACES / "spec_decode_h100.tar.gz")
     costs = H200Costs()
-    fitted = fit(steps, costs.sample_s, costs.draft_s, graph_rows=512)
+    fitted = fit(h100_steps, costs.sample_s, costs.draft_s, graph_rows=512)
     for name, value in fitted.items():
         if name.endswith("graph_s"):
             assert dict(value) == pytest.approx(dict(getattr(H100_COSTS, name)), rel=0.01)
