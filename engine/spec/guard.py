@@ -15,7 +15,13 @@ drafts and steps that did not, and turns speculation off where it gets fewer.
   cost more than the step saves, so that counted they would make the mode look slower
   than it is). The interval after the engine ran out of work is not a sample
   (``SpecDecoding.idle``), nor one far longer than the step's device time
-  (``MAX_GAP_FACTOR``: the process stalled), and neither is a step next to a switch
+  (``MAX_GAP_FACTOR``: the process stalled), nor a stall of the host: a step whose wall
+  time is ``STALL_FACTOR`` times what its device time took in the mode's latest steps of
+  the regime, where the step after it is of the same regime (before a step with prefill
+  a late outcome is the host launching that step, a cost of its own), and the step after
+  it, which ran during the stall (on an H100 at 256 streams, one 42 ms interval among
+  17 ms steps took the pairs' median gain of drafts that paid 7-15 % under 0, and the
+  guard blocked them for the 40 % of the run left); and neither is a step next to a switch
   between verifying and not: the first after it carries the other mode's overlap state
   (the plan a step with drafts leaves unhidden, the overlap one without builds up), and
   the last before it the host's work on the step after it, of the other mode (under
@@ -96,6 +102,8 @@ PAIRS_KEPT = 8  # pairs per regime the decision takes the median of
 GUARD_MIN_PAIRS = 3  # pairs before the guard decides
 EARLY_MARGIN = 0.05  # how far under the other mode's rate a run falls before an early probe
 MAX_GAP_FACTOR = 20.0  # an interval past this many times the step's device time: a stall
+STALL_FACTOR = 2.0  # ... past this many times the mode's usual interval for its device time
+STALL_RATIOS = 16  # per regime and mode, the latest intervals over device times kept for that
 
 
 class _Window:
@@ -146,6 +154,9 @@ class _Regime:
     paired: dict[bool, float] = field(default_factory=dict)  # each mode's rate there
     probed: int = 0  # ``steps`` when the latest probe began
     device: _Window = field(default_factory=_Window)
+    # per mode, the latest samples' intervals over their device times (``_stalled``)
+    ratios: dict[bool, deque[float]] = field(default_factory=lambda: {
+        False: deque(maxlen=STALL_RATIOS), True: deque(maxlen=STALL_RATIOS)})  # fmt: skip
 
 
 class RealizedGainGuard:
@@ -154,9 +165,10 @@ class RealizedGainGuard:
     def __init__(self) -> None:
         self._regimes: dict[tuple[int, bool], _Regime] = {}
         self._last_mode: bool | None = None
-        # the latest step's (regime, mode, tokens, seconds), a sample once the step after
-        # it runs in the same mode (``record``)
-        self._pending: tuple[tuple[int, bool], bool, int, float] | None = None
+        # the latest step's (regime, mode, tokens, seconds, device seconds), a sample once
+        # the step after it runs in the same mode (``record``)
+        self._pending: tuple[tuple[int, bool], bool, int, float, float] | None = None
+        self.stalls = 0  # steps that were no sample: the host stalled (``record``)
         self.blocked = 0  # steps the guard ran without drafts against the policy
         self.probes = 0  # probe steps run, either mode
 
@@ -253,17 +265,35 @@ class RealizedGainGuard:
         return r.due
 
     def record(self, key: tuple[int, bool], speculated: bool, tokens: int,
-               seconds: float) -> None:  # fmt: skip
-        """A step of this regime yielded ``tokens`` in ``seconds`` of wall time. It is a
-        sample once the next step is recorded in the same mode: a step next to a switch
-        is none (module docstring)."""
+               seconds: float, device: float = 0.0) -> None:  # fmt: skip
+        """A step of this regime yielded ``tokens`` in ``seconds`` of wall time
+        (``device``: of device time, 0 unknown). It is a sample once the next step is
+        recorded in the same mode: a step next to a switch is none, nor a stall and the
+        step after it (module docstring)."""
         pending, self._pending = self._pending, None
+        stalled = False
         if pending is not None and pending[1] == speculated:
-            self._sample(*pending)
+            stalled = pending[0] == key and self._stalled(*pending)
+            if stalled:
+                self.stalls += 1
+            else:
+                self._sample(*pending[:4])
         switched = self._last_mode is not None and speculated != self._last_mode
         self._last_mode = speculated
-        if not switched and seconds > 0:
-            self._pending = (key, speculated, tokens, seconds)
+        if not (switched or stalled) and seconds > 0:
+            self._pending = (key, speculated, tokens, seconds, device)
+
+    def _stalled(self, key: tuple[int, bool], speculated: bool, tokens: int,
+                 seconds: float, device: float) -> bool:  # fmt: skip
+        """Whether a step's wall time is a stall of the host: ``STALL_FACTOR`` times what
+        its device time takes in the mode's latest steps of the regime (at least its
+        device time; none before ``GUARD_MIN_SAMPLES`` of them)."""
+        if device <= 0:
+            return False
+        ratios = self._get(key).ratios[speculated]
+        usual = max(statistics.median(ratios), 1.0) if len(ratios) >= GUARD_MIN_SAMPLES else None
+        ratios.append(seconds / device)
+        return usual is not None and seconds > STALL_FACTOR * usual * device
 
     def _sample(self, key: tuple[int, bool], speculated: bool, tokens: int,
                 seconds: float) -> None:  # fmt: skip

@@ -422,7 +422,7 @@ class SpecDecoding:
                 if timed:
                     if not verified:  # as it would run with the drafter resting
                         interval = max(device, interval - timing.draft_s)
-                    self.guard.record(key, verified > 0, yielded, interval)
+                    self.guard.record(key, verified > 0, yielded, interval, measured)
                 if not verified:
                     self.guard.record_device(key, yielded, device)
 

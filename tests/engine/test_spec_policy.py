@@ -923,6 +923,48 @@ def test_a_blocked_regime_still_probes_at_its_rate_while_the_drafter_rests():
     assert proposing <= n // 8
 
 
+def test_a_stall_of_the_host_is_no_sample_nor_the_step_after_it():
+    """Under overlap a stall of the host (42 ms among 17 ms steps of drafts) makes one
+    step's outcome late and the next one's early (it ran during the stall): neither is a
+    sample, so one stall cannot tip a pair (on an H100 at 256 streams it took the median
+    gain of drafts that paid 7-15 % under 0)."""
+    g = guard.RealizedGainGuard()
+    key = g.regime(256, False)
+    steps = [0.017] * 6 + [0.042, 0.009] + [0.017] * 4
+    for seconds in steps:
+        g.record(key, True, 460, seconds, 0.017)
+    assert [s for _, s in g._regimes[key].samples[True]] == [0.017] * 9
+    assert g.stalls == 1
+
+
+def test_a_late_outcome_before_a_step_with_prefill_stays_a_sample():
+    """The outcome of a decode step before a step with prefill comes late by the host's
+    launch of that step, a cost of its own: that is no stall, and stays a sample."""
+    g = guard.RealizedGainGuard()
+    decode, prefill = g.regime(256, False), g.regime(256, True)
+    for seconds in [0.017] * 6 + [0.042]:
+        g.record(decode, True, 460, seconds, 0.017)
+    g.record(prefill, True, 500, 0.030, 0.030)
+    assert [s for _, s in g._regimes[decode].samples[True]][-1] == 0.042
+    assert g.stalls == 0
+
+
+def test_a_mode_whose_every_step_waits_on_the_host_is_sampled_as_it_runs():
+    """Steps of drafts whose wall time is always three times their device time (the
+    host's work outlasts the device's) are what that mode costs, not stalls: they are
+    samples, and the guard sees the drafts lose."""
+    g = guard.RealizedGainGuard()
+    key = g.regime(16, False)
+    for _ in range(4):
+        for _ in range(10):
+            g.record(key, True, 30, 0.030, 0.010)
+        for _ in range(10):
+            g.record(key, False, 16, 0.008, 0.008)
+    assert g.stalls == 0
+    assert len(g._regimes[key].samples[True]) == 32  # the window: 8 a run of 10
+    assert not g.favours(key)
+
+
 def _h200_128(spell: range):
     """A forward of the 8B shape on the H200 by graph bucket (128 rows 6.7 ms, 256 rows
     9.95, eager past them), every step 1.35x as long during ``spell`` (a slow spell of the
