@@ -57,7 +57,11 @@ drafts do not pay, the explorations and their switches of mode cost 6 % at 256 s
 an H100). Priced from what they were before the rest, the verdict
 could only repeat itself, and on the H200 at 128 streams a slow spell of the host while
 every step verified a draft a request left that size priced 35 % over its worth, and no
-drafts verified for the rest of the run, where they paid 7 %. So
+drafts verified for the rest of the run, where they paid 7 %. A rest the guard's veto
+began ends in no such check: the policy's prices were not the verdict, and the guard's
+probe of its drafts is to run the choice they make (on an H100 at 256 streams, after a
+veto, the sizes forgotten made each probe explore the smallest size above the batch,
+which paid less than no drafts, and the veto held for the 40 % of the run left). So
 one noisy choice at small batch costs a step, not a rest, and at high load, where the
 verdict never changes, the policy is asked about once every 128 steps. A step of another
 regime ends the rest, unless that regime's own latest verdicts were no drafts too (the
@@ -195,6 +199,7 @@ class SpecDecoding:
         # per regime: the steps in a row that verified no draft, by the policy's or the
         # guard's verdict (since the policy's drafts last ran there)
         self._zeros: dict[tuple[int, bool], int] = {}
+        self._vetoed: set[tuple[int, bool]] = set()  # regimes resting by the guard's veto
         self._resumed = False  # the rest ended at the latest plan (lagged: one more waits)
         self._holding = False  # the plan being made waits for the proposals of the last one
         k = self.max_draft
@@ -240,7 +245,8 @@ class SpecDecoding:
         self._resumed = False
         self._quiet = 0  # a rest of a regime whose drafts paid lately: asked again
         rested = rest_steps(self._zeros.get(key, 0))
-        if decode and rested >= RECHECK_AFTER:  # the verdict is checked, not repeated
+        if decode and rested >= RECHECK_AFTER and key not in self._vetoed:
+            # the policy's verdict is checked, not repeated
             self.policy.recheck(base_tokens, decode, rested)
         guard = self.guard
         if guard is None or guard.favours(key):
@@ -262,7 +268,7 @@ class SpecDecoding:
             return lengths
         for c in candidates:
             self._last_curve[c.request.request_id] = c.curve
-        self._go_quiet(key)
+        self._go_quiet(key, vetoed=True)
         return [0] * len(candidates)
 
     def _allow(self, key: tuple[int, bool]) -> bool:
@@ -274,13 +280,18 @@ class SpecDecoding:
         self.counters.guard_blocked += guard.blocked - blocked
         return allowed
 
-    def _go_quiet(self, key: tuple[int, bool], verdict: bool = True) -> None:
-        """This step verifies no draft, by the policy's choice or the guard's: the drafter
-        rests for ``rest_steps`` steps of the same regime (``proposes``). ``verdict``
-        False: the policy's guess (its cost model seeding, or the step's size unmeasured),
-        which neither rests nor counts."""
+    def _go_quiet(self, key: tuple[int, bool], verdict: bool = True,
+                  vetoed: bool = False) -> None:  # fmt: skip
+        """This step verifies no draft, by the policy's choice or the guard's
+        (``vetoed``): the drafter rests for ``rest_steps`` steps of the same regime
+        (``proposes``). ``verdict`` False: the policy's guess (its cost model seeding, or
+        the step's size unmeasured), which neither rests nor counts."""
         if not verdict:
             return
+        if vetoed:
+            self._vetoed.add(key)
+        else:
+            self._vetoed.discard(key)
         zeros = self._zeros[key] = self._zeros.get(key, 0) + 1
         rest = rest_steps(zeros)
         if rest:

@@ -923,6 +923,22 @@ def test_a_blocked_regime_still_probes_at_its_rate_while_the_drafter_rests():
     assert proposing <= n // 8
 
 
+def test_a_probe_after_the_guards_veto_runs_the_policys_measured_choice():
+    """The guard vetoes drafts the policy prices as paying (here: always), and the drafter
+    rests. The rests end in the guard's probes of the policy's drafts, and those run the
+    choice the policy's measured prices make: no size is forgotten and explored again (a
+    veto is not the policy's verdict; on an H100 at 256 streams each probe explored the
+    smallest size above the batch, which paid less than no drafts, and the veto held)."""
+    spec = dynamic_spec()
+    spec.guard.favours = lambda key: False  # type: ignore[method-assign]
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)  # drafts are free
+    steps = simulate(spec, jump_past(128), 16, [0.9] * 5, [0.9] * 5, 600)
+    probes = [n for n, _, _ in steps if n]
+    assert len(probes) >= 3 and all(n == 16 * 5 for n in probes)
+    assert spec.counters.explored == 0
+
+
 def test_a_stall_of_the_host_is_no_sample_nor_the_step_after_it():
     """Under overlap a stall of the host (42 ms among 17 ms steps of drafts) makes one
     step's outcome late and the next one's early (it ran during the stall): neither is a
