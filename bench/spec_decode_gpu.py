@@ -400,6 +400,9 @@ def main() -> None:
     ap.add_argument("--prefill-output-len", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=24.0)
+    ap.add_argument("--piecewise-graph-tokens", type=int,
+                    default=EngineConfig.piecewise_graph_tokens,
+                    help="steps with prompt tokens up to this many replay graph pieces")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--min-arm-tokens", type=int, default=2048,
                     help="a point runs more rounds until each arm yields this many tokens")
@@ -666,6 +669,7 @@ def _engine(args: argparse.Namespace, rates: list[float], max_seqs: int) -> Engi
                           memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=max(
             args.max_num_batched_tokens, max_seqs * (len(rates) + 1)), max_model_len=4096),
+        piecewise_graph_tokens=args.piecewise_graph_tokens,
     ))  # fmt: skip
 
 
