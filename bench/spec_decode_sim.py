@@ -44,6 +44,10 @@ the same warm-up.
 
 ``--spells STEP:STEPS,..`` runs every decode point with slow spells of the host
 (``SimEngine.slow``) at those steps of its run, as the H200 met one at 128 streams.
+``--kv-block-cost US`` adds to each decode step's time US microseconds per row and
+128-token block of KV it reads, so that steps grow dearer within a wave as their contexts
+cross a block and cheaper when the next wave starts, as the H100's did (its 256-row step
+10.3 to 11.4 ms within a wave: ~3.5 us).
 
 Beside tok/s each point counts the steps that sampled but verified no draft, by cause
 (``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
@@ -74,6 +78,7 @@ from engine.spec.base import Proposal, draft_depth
 from engine.spec.manager import SpecDecoding
 
 RATES = (0.8, 0.7, 0.6, 0.5, 0.4)
+KV_BLOCK = 128  # tokens of a KV cache block on CUDA
 RIGHT, WRONG = 0, 1  # the model's greedy token; a draft's wrong guess
 MAX_K = 5
 
@@ -118,6 +123,10 @@ class H200Costs:
     price_step_s: float = 15e-6  # ... and per step it does
     device_noise: float = 0.02  # each device time times exp(N(0, this))
     host_noise: float = 0.10  # each host time times exp(N(0, this))
+    # a decode step's attention per row and 128-token block of KV it reads, a chunk's rows
+    # at its longest context (0: none, the fits' times hold the contexts their sweeps had;
+    # ``--kv-block-cost``)
+    kv_block_row_s: float = 0.0
 
     HOST = ("plan_s", "plan_chunk_s", "verify_chunk_s", "update_s", "update_chunk_s",
             "collect_s", "collect_request_s", "lookup_s", "price_s", "price_step_s")
@@ -139,15 +148,21 @@ class H200Costs:
 
     def forward(self, plan: StepPlan) -> float:
         rows = plan.num_tokens
-        if self.replayed(plan):
-            graphs = self.graphs
-            return graphs[bisect.bisect_left([b for b, _ in graphs], rows)][1]
         if plan.is_decode:
-            return max(self.eager_floor_s, self.eager_s + self.eager_row_s * rows)
+            blocks = (sum(c.num_tokens * -(-(c.start_pos + c.num_tokens) // KV_BLOCK)
+                          for c in plan.chunks) if self.kv_block_row_s else 0)  # fmt: skip
+            return self._decode_forward(plan) + self.kv_block_row_s * blocks
         drafts = plan.num_draft_tokens
         mixed = (self.mixed_s + self.mixed_token_s * (rows - drafts) + self.mixed_draft_s * drafts
                  + (self.mixed_drafts_s if drafts else 0.0))  # fmt: skip
         return max(self.eager_floor_s, mixed)
+
+    def _decode_forward(self, plan: StepPlan) -> float:
+        rows = plan.num_tokens
+        if self.replayed(plan):
+            graphs = self.graphs
+            return graphs[bisect.bisect_left([b for b, _ in graphs], rows)][1]
+        return max(self.eager_floor_s, self.eager_s + self.eager_row_s * rows)
 
     def issue(self, plan: StepPlan) -> float:
         """Host time issuing the step's kernels: a graph replay's is in ``plan``."""
@@ -565,10 +580,15 @@ def main() -> None:
     ap.add_argument("--host-factor", type=float, default=1.0,
                     help="the host this many times as slow (planning, launching, folding "
                          "back, looking up and pricing drafts)")  # fmt: skip
+    ap.add_argument("--kv-block-cost", type=float, default=0.0, metavar="US",
+                    help="a decode step's attention: this many us per row and 128-token "
+                         "block of KV it reads, on top of the fitted times (H100, 8B: ~3.5, "
+                         "the 256-row step 10.3 -> 11.4 ms as contexts cross a block)")
     args = ap.parse_args()
     spells = [(int(a), int(b)) for a, b in (s.split(":") for s in args.spells.split(",") if s)]
     records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
-                  costs=MACHINES[args.machine].host_times(args.host_factor),
+                  costs=replace(MACHINES[args.machine].host_times(args.host_factor),
+                                kv_block_row_s=args.kv_block_cost * 1e-6),
                   overlap=not args.no_overlap,
                   scale=args.scale, seed=args.seed, spells=spells)  # fmt: skip
     for rec in records:
