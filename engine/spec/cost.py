@@ -51,6 +51,18 @@
   never chosen again, so never measured again (a lone request verified 3 drafts where 5
   paid).
 
+  The *level*: how fast the machine runs now against the samples kept. A decode step
+  of a measured size gives its time over that size's price, and the median of the
+  latest ``LEVEL_WINDOW`` (8) such ratios is the level; a sample is kept divided by the
+  level when it came, and every price is its samples' times the level now. So a size
+  measured in a slow spell of the host or the device is not priced dear once the spell
+  is over, nor a size measured before it cheap during it: on an H100 whose 256-row
+  verify step took 10.2 ms, then 13-15 for tens of steps, the 128-row size measured
+  before the spell (8 ms) looked cheaper than the one running in it, the policy verified
+  one draft a request at 64 streams where three paid, and ran at 0.81x fixed k = 3. A
+  step with prefill gives no ratio (it costs more than its tokens say where it holds
+  drafts: ``StepCostModel.drafted``); its samples are kept at the level too.
+
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
   unmeasured size is worth *exploring* (``measured`` says whether it is, ``frontier``
@@ -110,6 +122,7 @@ Point = tuple[float, float]  # median tokens, median seconds of one group
 
 STALE_AFTER = 512  # steps without a sample after which a group is forgotten (docstring)
 PRUNE_EVERY = 32  # steps between two looks for such groups
+LEVEL_WINDOW = 8  # the latest steps whose times over their prices make the level (docstring)
 
 
 class ForwardTimeEstimator:
@@ -130,13 +143,22 @@ class ForwardTimeEstimator:
         self._cache: dict[bool, tuple[list[int], list[Point], bool]] | None = None
         # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
         self.graph_rows = 0
+        # how fast the machine runs now against the samples kept: those are kept as
+        # measured over the level then, and priced times the level now (docstring)
+        self.level = 1.0
+        self._ratios: deque[float] = deque(maxlen=LEVEL_WINDOW)
 
     def add(self, tokens: int, seconds: float, decode: bool = False) -> None:
         key = (decode, graph_size(tokens))
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = deque(maxlen=self.group_window)
-        group.append((tokens, seconds))
+        elif decode and seconds > 0 and len(group) >= self.min_group and self.ready:
+            price = self.time(tokens, decode)  # what the samples kept say, at the level
+            if price > 0:
+                self._ratios.append(self.level * seconds / price)
+                self.level = statistics.median(self._ratios)
+        group.append((tokens, seconds / self.level))
         self._added += 1
         self._last[key] = self._added
         self._group_points.pop(key, None)
@@ -260,10 +282,15 @@ class ForwardTimeEstimator:
         if not slopes:
             return None
         slope = max(statistics.median(slopes), 0.0)
-        return max(statistics.median(s - slope * t for t, s in points), 0.0), slope
+        baseline = max(statistics.median(s - slope * t for t, s in points), 0.0)
+        return self.level * baseline, self.level * slope
 
     def time(self, tokens: int, decode: bool = False, optimistic: bool = False) -> float:
         """Seconds for a forward of ``tokens`` tokens of this kind (module docstring)."""
+        return self.level * self._time(tokens, decode, optimistic)
+
+    def _time(self, tokens: int, decode: bool, optimistic: bool) -> float:
+        """``time`` at the samples' level."""
         if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
         sizes, points, eager = self._priced(decode)
@@ -295,6 +322,11 @@ class ForwardTimeEstimator:
     ) -> list[float]:
         """``time(start + n)`` for n = 0..count in one pass (the policy prices every
         total of a step: at 256 requests of 5 drafts, 1281 of them)."""
+        out = self._times(start, count, decode, optimistic)
+        return out if self.level == 1.0 else [self.level * t for t in out]
+
+    def _times(self, start: int, count: int, decode: bool, optimistic: bool) -> list[float]:
+        """``times`` at the samples' level."""
         if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
         sizes, points, eager = self._priced(decode)

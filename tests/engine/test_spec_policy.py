@@ -389,6 +389,31 @@ def test_forward_estimator_follows_a_regime_change_within_its_window():
     assert est.time(64) == pytest.approx(0.020)
 
 
+def test_a_size_measured_in_a_slow_spell_is_priced_at_the_machines_speed_now():
+    """Sizes measured at different speeds of the machine are priced at its speed now: on
+    an H100 whose verify steps took 1.3-1.4x as long for tens of steps, a size measured
+    before the spell looked cheaper than the one running in it, and the policy verified
+    one draft a request at 64 streams where three paid (0.81x fixed k = 3)."""
+    est = ForwardTimeEstimator()
+    for _ in range(8):  # both sizes measured at the usual speed
+        est.add(64, 0.007, decode=True)
+        est.add(128, 0.008, decode=True)
+    for _ in range(8):  # a slow spell: 1.4x
+        est.add(64, 0.0098, decode=True)
+    assert est.time(64, decode=True) == pytest.approx(0.0098)
+    assert est.time(128, decode=True) == pytest.approx(0.0112)  # not run in it: 1.4x too
+    for _ in range(6):
+        est.add(256, 0.014, decode=True)  # a size first run in the spell
+    for _ in range(8):  # the spell is over
+        est.add(64, 0.007, decode=True)
+    assert est.time(64, decode=True) == pytest.approx(0.007)
+    assert est.time(128, decode=True) == pytest.approx(0.008)
+    assert est.time(256, decode=True) == pytest.approx(0.010)  # measured at 1.4x
+    for _ in range(8):  # steps with prefill say nothing of the level
+        est.add(1000, 0.05)
+    assert est.time(128, decode=True) == pytest.approx(0.008)
+
+
 def test_forward_estimator_prices_steps_with_prefill_along_their_measured_line():
     """An eager step's cost grows with every token: inside a group, below its median, it
     is priced along the line between the points on either side, not flat at the median
