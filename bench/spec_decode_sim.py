@@ -49,7 +49,8 @@ the same warm-up.
 cross a block and cheaper when the next wave starts, as the H100's did (its 256-row step
 10.3 to 11.4 ms within a wave: ~3.5 us).
 
-Beside tok/s each point counts the steps that sampled but verified no draft, by cause
+Beside tok/s each point counts its steps with prefill and the steps that sampled but
+verified no draft, by cause
 (``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
 policy's drafts), ``probe`` (the guard's no-draft probe), ``rest`` (the drafter rested,
 so there were no drafts to verify) and ``new`` (no proposal yet: a request's first step,
@@ -296,6 +297,7 @@ class SimEngine:
         self._tokens: dict[str, int] = {}  # the runner's count of each request's tokens
         self._drafted: dict[str, list[int]] = {}  # the drafts made behind the last step
         self._slow = 0  # steps left of a slow spell
+        self.mixed = 0  # steps with prefill run so far
 
     def slow(self, steps: int) -> None:
         """The next ``steps`` steps run in a slow spell of the host (``spell_host`` times
@@ -409,7 +411,9 @@ class SimEngine:
         launched = None
         host = self.host
         if self.scheduler.has_work:
-            launched = self._launch(self.scheduler.schedule())
+            plan = self.scheduler.schedule()
+            self.mixed += not plan.is_empty and not plan.is_decode
+            launched = self._launch(plan)
         host_s = self.host - host
         if previous is not None:
             result = self._finish(previous)
@@ -461,7 +465,7 @@ def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str,
     pending = list(enumerate(jobs))
     live: set[str] = set()
     tokens = steps = 0
-    start = engine.now
+    start, mixed = engine.now, engine.mixed
     while pending or live:
         while pending and len(live) < concurrency:
             i, job = pending.pop(0)
@@ -480,7 +484,8 @@ def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str,
     seconds = engine.now - start
     after = _snapshot(spec)
     diff = {key: after[key] - before[key] for key in after}
-    return {"tok_s": tokens / seconds, "seconds": seconds, "steps": steps, **diff}
+    return {"tok_s": tokens / seconds, "seconds": seconds, "steps": steps,
+            "mixed_steps": engine.mixed - mixed, **diff}
 
 
 def _snapshot(spec: SpecDecoding) -> dict[str, int]:
@@ -593,8 +598,8 @@ def main() -> None:
                   scale=args.scale, seed=args.seed, spells=spells)  # fmt: skip
     for rec in records:
         line = (f"{rec['workload']:>14} c={rec['concurrency']:<4} {rec['arm']:>8} "
-                f"{rec['tok_s']:8.0f} tok/s, steps {rec['steps']:4d} verifying "
-                f"{rec['verify_steps']:4d}")  # fmt: skip
+                f"{rec['tok_s']:8.0f} tok/s, steps {rec['steps']:4d} with prefill "
+                f"{rec['mixed_steps']:3d} verifying {rec['verify_steps']:4d}")  # fmt: skip
         if rec["arm"] == "dynamic":
             name, best = best_other(records, rec)
             per = rec["verified"] / rec["verify_steps"] if rec["verify_steps"] else 0.0
