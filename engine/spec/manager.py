@@ -91,6 +91,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.config import SpeculativeConfig
 from engine.plan import StepPlan, StepResult
 from engine.request import Request, unresolved_draft
@@ -465,7 +467,7 @@ class SpecDecoding:
             else:
                 self.host_plain.add(seconds)
 
-    def _host_times(self, base_tokens: int) -> Callable[[int], list[float]] | None:
+    def _host_times(self, base_tokens: int) -> Callable[[int], np.ndarray] | None:
         """Under overlap, the host's seconds on a decode step of ``base_tokens`` rows and
         n = 0..count drafts, once steps with drafts of two sizes were measured (None
         before). The device waits for them where they exceed its step: on an H100 whose
@@ -476,10 +478,11 @@ class SpecDecoding:
         plain = self.host_plain.value(self.host.value())
         drafted = self.host_drafted
 
-        def times(count: int) -> list[float]:
+        def times(count: int) -> np.ndarray:
             if count <= 0:
-                return [plain]
-            return [plain] + drafted.times(base_tokens + 1, count - 1, True, optimistic=True)
+                return np.array([plain])
+            return np.concatenate(
+                ([plain], drafted.times(base_tokens + 1, count - 1, True, optimistic=True)))
 
         return times
 

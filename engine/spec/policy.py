@@ -16,7 +16,9 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   count this is the best allocation there is: for each total, the largest ``P`` values
   are the most expected tokens, and a request's curve never rises, so they form a prefix
   of each request's drafts; every total is tried, up to the token budget the step's
-  prefill chunks leave (``VerifyStep.limit``). A step with prefill is no cycle of its
+  prefill chunks leave (``VerifyStep.limit``), all at once (arrays: the step-cost model
+  prices every total in one pass; at 256 requests a choice took 2.4 ms of the host,
+  0.9 so, on the CPU the simulator measures it on). A step with prefill is no cycle of its
   own: its prefill runs whatever is verified, so its rate says nothing of what drafts in
   it are worth (added to a long prefill, drafts raise its rate while adding tokens more
   slowly than a decode step yields them). There ``best_gain`` chooses the total: the
@@ -78,9 +80,12 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.spec.cost import StepCostModel, graph_size
 
@@ -99,7 +104,7 @@ class VerifyStep:
     host_s: float = 0.0  # host work every step waits for (without overlap: none is hidden)
     # under overlap, the host's work on a decode step with n drafts (n = 0..): a step
     # lasts at least that, whatever the device's part (None: not known)
-    host_times: Callable[[int], list[float]] | None = None
+    host_times: Callable[[int], np.ndarray] | None = None
 
     @staticmethod
     def is_decode(base_tokens: int, base_yield: int, decode: bool | None = None) -> bool:
@@ -198,12 +203,13 @@ class DynamicPolicy(VerifyPolicy):
         if step.limit is not None:
             drafts = min(drafts, max(step.limit, 0))
 
-        def pricer(optimistic: bool, cheaper: int = 0) -> Callable[[int], float]:
+        def pricer(optimistic: bool, cheaper: int = 0) -> np.ndarray:
+            """Seconds of the step with n = 0..drafts drafts."""
             table = forward.times(step.base_tokens, drafts, decode, optimistic)
             if cheaper:  # that graph size priced REMEASURE_DISCOUNT under its measure
-                table = [t * (1.0 - REMEASURE_DISCOUNT)
-                         if graph_size(step.base_tokens + n) == cheaper else t
-                         for n, t in enumerate(table)]  # fmt: skip
+                table = np.array([t * (1.0 - REMEASURE_DISCOUNT)
+                                  if graph_size(step.base_tokens + n) == cheaper else t
+                                  for n, t in enumerate(table)])  # fmt: skip
             if not decode:  # drafts cost at least what they cost in a decode step, and
                 # what steps with prefill that verified drafts were measured at
                 rows = forward.times(step.base_yield, drafts, True, optimistic)
@@ -211,23 +217,24 @@ class DynamicPolicy(VerifyPolicy):
                 with_drafts = (dear.times(step.base_tokens, drafts, False, optimistic)
                                if dear.ready else table)  # fmt: skip
                 base = table[0]
-                table = [base] + [base + max(t - base, w - base, r - rows[0]) for t, w, r
-                                  in zip(table[1:], with_drafts[1:], rows[1:])]  # fmt: skip
-            if step.host_times is None or not decode:
-                return lambda n: table[n] + fixed + (drafting if n else 0.0)
-            host = step.host_times(drafts)  # the step waits for the longer of the two
-            return lambda n: max(table[n] + fixed + (drafting if n else 0.0), host[n])
+                added = np.maximum(np.maximum(table - base, with_drafts - base), rows - rows[0])
+                table = base + added
+                table[0] = base
+            out = table + fixed
+            out[1:] += drafting
+            if step.host_times is not None and decode:  # it waits for the longer of the two
+                out = np.maximum(out, step.host_times(drafts))
+            return out
 
+        values = survivals(step.budget_curves)
         if decode:
-            def choose(time: Callable[[int], float], limit: int | None,
-                       margin: float = MARGIN) -> int:  # fmt: skip
-                return best_total(step.budget_curves, step.base_yield, time, limit, margin)
+            def choose(time: np.ndarray, limit: int | None, margin: float = MARGIN) -> int:
+                return best_total(values, step.base_yield, time, limit, margin)
         else:  # the step's prefill runs anyway: drafts must pay as decode steps would
             rate = step.base_yield / (forward.time(step.base_yield, True) + fixed)
 
-            def choose(time: Callable[[int], float], limit: int | None,
-                       margin: float = MARGIN) -> int:  # fmt: skip
-                return best_gain(step.budget_curves, rate, time, limit, margin)
+            def choose(time: np.ndarray, limit: int | None, margin: float = MARGIN) -> int:
+                return best_gain(values, rate, time, limit, margin)
 
         total = choose(pricer(False), step.limit)
         self._since_explore += 1
@@ -251,7 +258,7 @@ class DynamicPolicy(VerifyPolicy):
         return allocate(step.curves, total)
 
     def _remeasure(
-        self, step: VerifyStep, total: int, pricer: Callable[..., Callable[[int], float]],
+        self, step: VerifyStep, total: int, pricer: Callable[..., np.ndarray],
         choose: Callable[..., int],
     ) -> int:  # fmt: skip
         """The total to verify where the smallest decode size above the choice that no
@@ -274,48 +281,61 @@ class DynamicPolicy(VerifyPolicy):
         return hope
 
 
+def survivals(curves: Sequence[Sequence[float]]) -> np.ndarray:
+    """Every ``P`` of every curve, largest first: the order drafts are added in."""
+    values = np.fromiter(itertools.chain.from_iterable(curves), dtype=np.float64)
+    return values[np.argsort(-values, kind="stable")]
+
+
+def _times(time: Callable[[int], float] | Sequence[float], count: int) -> np.ndarray:
+    """A step's seconds with n = 0..count drafts, from a table or a function of n."""
+    if callable(time):
+        return np.array([time(n) for n in range(count + 1)], dtype=np.float64)
+    return np.asarray(time, dtype=np.float64)[: count + 1]
+
+
 def best_total(
-    curves: Sequence[Sequence[float]], base_yield: float, time: Callable[[int], float],
-    limit: int | None = None, margin: float = 0.0,
-) -> int:
+    values: np.ndarray | Sequence[Sequence[float]], base_yield: float,
+    time: Callable[[int], float] | Sequence[float], limit: int | None = None,
+    margin: float = 0.0,
+) -> int:  # fmt: skip
     """How many drafts to verify in all: the count ``n`` whose step yields the most
     expected tokens per second, ``(base_yield + the n largest P) / time(n)``, trying every
     ``n`` from 0 to all of them, or to ``limit`` (the first best wins ties); a count
-    above 0 only where its rate beats no drafts' by more than ``margin`` (a fraction)."""
-    values = sorted((p for curve in curves for p in curve), reverse=True)
+    above 0 only where its rate beats no drafts' by more than ``margin`` (a fraction).
+    ``values``: the curves, or their ``survivals``; ``time``: seconds by n, a table or a
+    function."""
+    if not isinstance(values, np.ndarray):
+        values = survivals(values)
     if limit is not None:
         values = values[: max(limit, 0)]
-    expected = float(base_yield)
-    best_n, best_rate = 0, expected / time(0) * (1.0 + margin)
-    for n, p in enumerate(values, start=1):
-        expected += p
-        rate = expected / time(n)
-        if rate > best_rate:
-            best_n, best_rate = n, rate
-    return best_n
+    expected = np.cumsum(np.concatenate(([float(base_yield)], values)))
+    rates = expected / _times(time, len(values))
+    rates[0] *= 1.0 + margin
+    return int(np.argmax(rates))
 
 
 def best_gain(
-    curves: Sequence[Sequence[float]], rate: float, time: Callable[[int], float],
-    limit: int | None = None, margin: float = 0.0,
-) -> int:
+    values: np.ndarray | Sequence[Sequence[float]], rate: float,
+    time: Callable[[int], float] | Sequence[float], limit: int | None = None,
+    margin: float = 0.0,
+) -> int:  # fmt: skip
     """How many drafts to verify in all in a step whose own tokens run anyway (prefill):
     the count ``n`` whose expected kept drafts (the ``n`` largest P) exceed most what
     the time they add, ``time(n) - time(0)``, yields at ``rate`` tokens per second (what
     the engine gets without them) raised by ``margin``, trying every ``n`` from 0 to all,
-    or to ``limit`` (the first best wins ties)."""
-    rate *= 1.0 + margin
-    values = sorted((p for curve in curves for p in curve), reverse=True)
+    or to ``limit`` (the first best wins ties). ``values`` and ``time`` as
+    ``best_total``'s."""
+    if not isinstance(values, np.ndarray):
+        values = survivals(values)
     if limit is not None:
         values = values[: max(limit, 0)]
-    base = time(0)
-    gain, best_n, best = 0.0, 0, 0.0
-    for n, p in enumerate(values, start=1):
-        gain += p
-        value = gain - rate * (time(n) - base)
-        if value > best:
-            best_n, best = n, value
-    return best_n
+    if not len(values):
+        return 0
+    times = _times(time, len(values))
+    value = np.cumsum(values) - rate * (1.0 + margin) * (times[1:] - times[0])
+    best = int(np.argmax(value))
+    return best + 1 if value[best] > 0.0 else 0
 
 
 def allocate(curves: Sequence[Sequence[float]], total: int) -> list[int]:
@@ -324,19 +344,18 @@ def allocate(curves: Sequence[Sequence[float]], total: int) -> list[int]:
     take a prefix of each request's drafts since a curve never rises."""
     if total <= 0:
         return [0] * len(curves)
-    values = sorted((p for curve in curves for p in curve), reverse=True)
-    if total >= len(values):
-        return [len(curve) for curve in curves]
-    cut = values[total - 1]  # the smallest P given a slot
-    lengths = [sum(1 for p in curve if p > cut) for curve in curves]
-    left = total - sum(lengths)
-    for r, curve in enumerate(curves):  # the ties at the cut, in request order
-        if left <= 0:
-            break
-        take = min(left, sum(1 for p in curve if p == cut))
-        lengths[r] += take
-        left -= take
-    return lengths
+    sizes = [len(curve) for curve in curves]
+    if total >= sum(sizes):
+        return sizes
+    values = np.fromiter(itertools.chain.from_iterable(curves), dtype=np.float64)
+    owner = np.repeat(np.arange(len(curves)), sizes)
+    cut = -np.partition(-values, total - 1)[total - 1]  # the smallest P given a slot
+    lengths = np.bincount(owner[values > cut], minlength=len(curves))
+    left = total - int(lengths.sum())
+    if left > 0:  # the ties at the cut, in request order
+        lengths += np.bincount(owner[np.flatnonzero(values == cut)[:left]],
+                               minlength=len(curves))  # fmt: skip
+    return lengths.tolist()
 
 
 POLICIES: dict[str, type[VerifyPolicy]] = {"fixed": FixedPolicy, "dynamic": DynamicPolicy}
