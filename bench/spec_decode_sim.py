@@ -49,8 +49,11 @@ the same warm-up.
 cross a block and cheaper when the next wave starts, as the H100's did (its 256-row step
 10.3 to 11.4 ms within a wave: ~3.5 us).
 
-Beside tok/s each point counts its steps with prefill and the steps that sampled but
-verified no draft, by cause
+``--out PATH`` writes the records as JSON, with the commit and the machine.
+
+Beside tok/s each point counts its steps with prefill, the dynamic policy's wall time per
+choice on this machine (the one real time here: ``SpecDecoding`` asked, its policy
+priced), and the steps that sampled but verified no draft, by cause
 (``Traced``): ``policy`` (the policy chose none), ``guard`` (the guard vetoed the
 policy's drafts), ``probe`` (the guard's no-draft probe), ``rest`` (the drafter rested,
 so there were no drafts to verify) and ``new`` (no proposal yet: a request's first step,
@@ -61,13 +64,18 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import math
 import random
+import statistics
+import time
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
+from bench.common import machine_info
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.manager import KVCacheManager
@@ -223,6 +231,7 @@ class Traced(SpecDecoding):
         super().__init__(*args, **kwargs)
         self.reasons: Counter[str] = Counter()
         self.looked_up = self.priced = 0  # candidates, since the engine last took them
+        self.policy_s: list[float] = []  # this machine's wall time of each dynamic choice
         self._recent: deque[bool] = deque([True, True], maxlen=2)  # plans' ``proposes``
 
     def lengths(self, candidates, base_tokens, base_yield, decode=None, limit=None):
@@ -247,9 +256,13 @@ class Traced(SpecDecoding):
         return out
 
     def _ask(self, candidates, *args):
-        if self.config.schedule == "dynamic":
-            self.priced += len(candidates)
-        return super()._ask(candidates, *args)
+        if self.config.schedule != "dynamic":
+            return super()._ask(candidates, *args)
+        self.priced += len(candidates)
+        start = time.perf_counter()
+        out = super()._ask(candidates, *args)
+        self.policy_s.append(time.perf_counter() - start)
+        return out
 
     def host_work(self) -> tuple[int, int]:
         """Candidates looked up and priced since the last call."""
@@ -466,6 +479,7 @@ def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str,
     live: set[str] = set()
     tokens = steps = 0
     start, mixed = engine.now, engine.mixed
+    asked = len(getattr(spec, "policy_s", ()))
     while pending or live:
         while pending and len(live) < concurrency:
             i, job = pending.pop(0)
@@ -484,8 +498,10 @@ def run_load(engine: SimEngine, jobs: Sequence[Job], concurrency: int, tag: str,
     seconds = engine.now - start
     after = _snapshot(spec)
     diff = {key: after[key] - before[key] for key in after}
+    policy_s = getattr(spec, "policy_s", [])[asked:]
     return {"tok_s": tokens / seconds, "seconds": seconds, "steps": steps,
-            "mixed_steps": engine.mixed - mixed, **diff}
+            "mixed_steps": engine.mixed - mixed,
+            "policy_ms": 1e3 * statistics.median(policy_s) if policy_s else None, **diff}
 
 
 def _snapshot(spec: SpecDecoding) -> dict[str, int]:
@@ -589,6 +605,7 @@ def main() -> None:
                     help="a decode step's attention: this many us per row and 128-token "
                          "block of KV it reads, on top of the fitted times (H100, 8B: ~3.5, "
                          "the 256-row step 10.3 -> 11.4 ms as contexts cross a block)")
+    ap.add_argument("--out", type=Path, help="the records as JSON, with the commit and machine")
     args = ap.parse_args()
     spells = [(int(a), int(b)) for a, b in (s.split(":") for s in args.spells.split(",") if s)]
     records = run([int(c) for c in args.concurrency.split(",")], args.workloads.split(","),
@@ -606,8 +623,13 @@ def main() -> None:
             causes = " ".join(f"{r}={rec[f'steps_{r}']}" for r in REASONS[1:])
             line += (f" x{rec['tok_s'] / best:.3f} of {name}; {per:.1f} drafts a verifying "
                      f"step; not verifying: {causes}; probes {rec['guard_probes']}, "
-                     f"explored {rec['explored']}")  # fmt: skip
+                     f"explored {rec['explored']}; policy {rec['policy_ms']:.2f} ms a "
+                     f"choice on this machine")  # fmt: skip
         print(line)
+    if args.out:
+        out = {**machine_info(), "benchmark": "spec_decode_sim",
+               "args": {**vars(args), "out": str(args.out)}, "records": records}  # fmt: skip
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
