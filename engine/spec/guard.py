@@ -273,7 +273,8 @@ class RealizedGainGuard:
         pending, self._pending = self._pending, None
         stalled = False
         if pending is not None and pending[1] == speculated:
-            stalled = pending[0] == key and self._stalled(*pending)
+            regime, _, _, wall, on_device = pending
+            stalled = regime == key and self._stalled(key, speculated, wall, on_device)
             if stalled:
                 self.stalls += 1
             else:
@@ -283,8 +284,8 @@ class RealizedGainGuard:
         if not (switched or stalled) and seconds > 0:
             self._pending = (key, speculated, tokens, seconds, device)
 
-    def _stalled(self, key: tuple[int, bool], speculated: bool, tokens: int,
-                 seconds: float, device: float) -> bool:  # fmt: skip
+    def _stalled(self, key: tuple[int, bool], speculated: bool, seconds: float,
+                 device: float) -> bool:  # fmt: skip
         """Whether a step's wall time is a stall of the host: ``STALL_FACTOR`` times what
         its device time takes in the mode's latest steps of the regime (at least its
         device time; none before ``GUARD_MIN_SAMPLES`` of them)."""
