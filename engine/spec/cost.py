@@ -121,6 +121,8 @@ def graph_size(tokens: int) -> int:
 
 
 Point = tuple[float, float]  # median tokens, median seconds of one group
+# a kind's sizes and points, whether eager, and the points' tokens and times as arrays
+_Priced = tuple[list[int], list[Point], bool, np.ndarray, np.ndarray]
 
 STALE_AFTER = 512  # steps without a sample after which a group is forgotten (docstring)
 PRUNE_EVERY = 32  # steps between two looks for such groups
@@ -142,8 +144,7 @@ class ForwardTimeEstimator:
         self._groups: dict[tuple[bool, int], deque[tuple[int, float]]] = {}
         self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
-        self._cache: dict[bool, tuple[list[int], list[Point], bool]] | None = None
-        self._arrays: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # ``_priced``'s points
+        self._cache: dict[bool, _Priced] | None = None
         # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
         self.graph_rows = 0
         # how fast the machine runs now against the samples kept: those are kept as
@@ -224,10 +225,10 @@ class ForwardTimeEstimator:
             self._points = points
         return self._points
 
-    def _priced(self, decode: bool) -> tuple[list[int], list[Point], bool]:
-        """The sizes and points a step of this kind is priced from, and whether they are
-        eager steps' (with prefill: their running maximum), cached until a sample arrives
-        (``time`` runs once per candidate total each step)."""
+    def _priced(self, decode: bool) -> _Priced:
+        """The sizes and points a step of this kind is priced from, whether they are
+        eager steps' (with prefill: their running maximum), and the points' tokens and
+        times as arrays, cached until a sample arrives (the policy prices every step)."""
         if self._cache is None:
             self._cache = {}
         cached = self._cache.get(decode)
@@ -237,9 +238,9 @@ class ForwardTimeEstimator:
             points = [p for _, p in kinds[kind]]
             if not kind:
                 points = _running_max(points)
-            cached = self._cache[decode] = ([size for size, _ in kinds[kind]], points, not kind)
-            self._arrays[decode] = (np.array([t for t, _ in points]),
-                                    np.array([s for _, s in points]))  # fmt: skip
+            cached = self._cache[decode] = (
+                [size for size, _ in kinds[kind]], points, not kind,
+                np.array([t for t, _ in points]), np.array([s for _, s in points]))  # fmt: skip
         return cached
 
     def points(self, decode: bool) -> list[Point]:
@@ -298,7 +299,7 @@ class ForwardTimeEstimator:
         """``time`` at the samples' level."""
         if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
-        sizes, points, eager = self._priced(decode)
+        sizes, points, eager, _, _ = self._priced(decode)
         if optimistic:
             return _local_line(points, tokens)
         if eager and tokens <= points[-1][0]:
@@ -334,8 +335,7 @@ class ForwardTimeEstimator:
         """``times`` at the samples' level."""
         if not self.ready:
             raise RuntimeError("the forward time estimator has too few samples")
-        sizes, points, eager = self._priced(decode)
-        ts, ss = self._arrays[decode]
+        sizes, points, eager, ts, ss = self._priced(decode)
         ns = np.arange(start, start + count + 1, dtype=np.float64)
         if optimistic:
             if len(points) == 1:
