@@ -37,10 +37,10 @@ host, seeded). Over four seeds 51 of the 60 none and fixed points come within 10
 H200's tok/s; fixed-4 at 64-256 streams and fixed-3 at 256 are 13-27 % fast (those arms
 moved up to 25 % between two H200 sweeps), fixed-1..5 prefill-heavy at one stream 10-14 %
 slow. The workloads and the order of points are the GPU benchmark's (``decode``: 4 waves
-of the concurrency, 64-token prompts, 128 tokens out; ``prefill-heavy``: twice the
-concurrency twice over, at least 32, 256-token prompts, 16 out; ``--scale``: as many times
-the requests), each arm keeping its ``SpecDecoding`` across points as that run does, after
-the same warm-up.
+of the concurrency, at least 16 requests, 64-token prompts, 128 tokens out;
+``prefill-heavy``: twice the concurrency twice over, at least 32, 256-token prompts, 16
+out; ``--scale``: as many times the requests), each arm keeping its ``SpecDecoding``
+across points as that run does, after the same warm-up.
 
 ``--spells STEP:STEPS,..`` runs every decode point with slow spells of the host
 (``SimEngine.slow``) at those steps of its run, as the H200 met one at 128 streams.
@@ -515,9 +515,9 @@ def _snapshot(spec: SpecDecoding) -> dict[str, int]:
 
 
 def decode_jobs(c: int, scale: int = 1) -> list[Job]:
-    """``decode``: 4 waves of the concurrency (``scale`` times as many), 64-token prompts,
-    128 tokens out."""
-    return [Job(64, 128)] * (4 * scale * c)
+    """``decode``: 4 waves of the concurrency, at least 2048 tokens out in all (``scale``
+    times as many), 64-token prompts, 128 tokens out."""
+    return [Job(64, 128)] * (scale * max(4 * c, 2048 // 128))
 
 
 def prefill_jobs(c: int, scale: int = 1) -> list[Job]:
