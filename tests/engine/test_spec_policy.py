@@ -577,18 +577,24 @@ class _Clock:
 
 
 def simulate(spec: SpecDecoding, forward, batch: int, confidences: list[float],
-             rates: list[float], steps: int, hidden_s: float = 0.0, seed: int = 0):  # fmt: skip
+             rates: list[float], steps: int, hidden_s: float = 0.0, seed: int = 0,
+             plain_every: int = 0):  # fmt: skip
     """Run ``steps`` decode steps of ``batch`` requests that always hold drafts of
     ``confidences`` (their true per-position acceptance: ``rates``) against a step of
     ``forward(rows)`` seconds (plus ``hidden_s`` of wall time the timings miss on a step
-    with drafts). Returns per step (drafts verified, tokens yielded, seconds)."""
+    with drafts); every ``plain_every``-th step (0: none) holds no drafts, as a new
+    request's first step does. Returns per step (drafts verified, tokens yielded,
+    seconds)."""
     clock = spec.clock
     rng = random.Random(seed)
     reqs = [request(f"r{i}") for i in range(batch)]
     out = []
-    for _ in range(steps):
+    for i in range(steps):
         cands = [Candidate(r, [0] * len(confidences), survival(confidences)) for r in reqs]
-        lengths = spec.lengths(cands, batch, batch, decode=True, limit=10_000)
+        if plain_every and i % plain_every == plain_every - 1:
+            lengths = [0] * batch
+        else:
+            lengths = spec.lengths(cands, batch, batch, decode=True, limit=10_000)
         chunks, sampled, accepted = [], {}, {}
         for r, k in zip(reqs, lengths):
             chunks.append(ScheduledChunk(r.request_id, [0] * (1 + k), 0, [], True, k))
@@ -740,6 +746,21 @@ def test_guard_needs_no_warm_up_probes_where_drafts_beat_the_ceiling():
     assert spec.guard.rate(key, False) is None  # never needed
     assert spec.counters.guard_probes <= guard.PROBE_STEPS
     assert spec.counters.budget == sum(n for n, _, _ in steps)
+
+
+def test_guard_skips_its_probes_while_steps_without_drafts_of_their_own_measure_the_ceiling():
+    """A lone request speculating at ~2.7x the ceiling, every 48th step without drafts of
+    its own (a new request's first): those keep the ceiling measured, so after the warm-up
+    no probe without drafts runs (each costs its steps' drafts). Where no such step comes,
+    the probes still run at the rarest rate, and keep it measured."""
+    fed = dynamic_spec()
+    simulate(fed, lambda rows: 0.007 + 0.00001 * rows, 1, RATES, RATES, 64, plain_every=48)
+    warm = fed.counters.guard_probes
+    simulate(fed, lambda rows: 0.007 + 0.00001 * rows, 1, RATES, RATES, 1200, plain_every=48)
+    assert fed.counters.guard_probes == warm
+    alone = dynamic_spec()
+    simulate(alone, lambda rows: 0.007 + 0.00001 * rows, 1, RATES, RATES, 1200)
+    assert alone.counters.guard_probes >= 1200 // (guard.PROBE_EVERY * guard.DECISIVE_SPACING)
 
 
 def test_guard_times_a_step_without_drafts_as_with_the_drafter_resting():
