@@ -26,6 +26,7 @@ from engine.spec.base import Proposal
 from engine.spec.cost import ForwardTimeEstimator, MedianEstimator, StepCostModel, graph_size
 from engine.spec.manager import Candidate, SpecDecoding
 from engine.spec.policy import (
+    REMEASURE_AFTER,
     DynamicPolicy,
     FixedPolicy,
     VerifyStep,
@@ -831,6 +832,39 @@ def test_a_decode_size_measured_dear_long_ago_is_measured_again_where_it_would_p
     assert chosen[:40] == [3] * 40  # the 8-row bucket priced at 7.7 ms
     assert chosen[-100:] == [5] * 100  # measured again: every draft pays
     assert 5 not in run(13e-3)  # twice the 4-row step: not worth measuring again
+
+
+@pytest.mark.parametrize("remeasured", [False, True])
+def test_an_explored_size_is_measured_to_the_end_though_the_next_choice_prices_it_under(
+    remeasured,
+):
+    """256 decode streams, 320 rows unmeasured (or measured dear long ago: measured
+    again) and worth exploring on fresh curves; the choice after each step is planned
+    from curves that price it under the margin (as the plan after a step in flight is).
+    A choice of none there was a verdict: the drafter rested, the size's lone sample was
+    forgotten after the rest, and on the simulated H100 dynamic verified no draft for the
+    whole point. Until the size is measured, a choice of none is no verdict and the size
+    goes on being measured; then 384 and 512 rows are explored, and a draft a request
+    (512 rows, the one total that pays) is verified."""
+    forward_s = {128: 9.0e-3, 256: 12.6e-3, 320: 14.8e-3, 384: 16.9e-3, 512: 21.2e-3}
+    policy = DynamicPolicy()
+    if remeasured:
+        for _ in range(3):
+            policy.observe(320, 16.0e-3, 0.0001, 0.0, True)
+    for rows in (128, 256) * 3 + (256,) * REMEASURE_AFTER:
+        policy.observe(rows, forward_s[rows], 0.0001, 0.0, True)
+    fresh, stale = [survival(RATES)] * 256, [survival([0.3] * 5)] * 256
+    chosen = []
+    for i in range(300):
+        curves = stale if i % 2 else fresh
+        n = sum(policy.lengths(VerifyStep(curves, curves, 256, 256, decode=True)))
+        chosen.append(n)
+        if not n and policy.sure:
+            assert policy.cost.forward.measured(320, True)  # a verdict, on what is known
+        policy.observe(256 + n, forward_s[graph_size(256 + n)], 0.0001, 0.0, True)
+    assert policy.cost.forward.measured(320, True)
+    assert policy.cost.forward.measured(512, True)
+    assert chosen[-100::2] == [256] * 50
 
 
 @pytest.mark.parametrize("seed", range(20))
