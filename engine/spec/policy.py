@@ -48,7 +48,12 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   kind's line, fitted on steps of long prompts, priced steps of a few hundred prompt
   tokens and 400-500 drafts 10-20 % under what they took (the drafts' sequences' contexts
   are read by the prefill path's attention), and drafts packed into them paid 21.4 tok/ms
-  against 24.3 without.
+  against 24.3 without. And at least at what steps with prefill that verified drafts
+  were measured at (``StepCostModel.drafted``), along the line through those points,
+  past the largest one too: priced there as much per token as the largest (a few hundred
+  tokens, its fixed costs spread over few), a step of 780 prompt tokens and 14 drafts
+  came to 36 ms where such steps took 23, and its drafts looked dear by 8 ms (simulated
+  H100, 16 streams prefill-heavy: 0.95-0.98x fixed k = 3, 0.97-1.00 so).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
@@ -214,10 +219,11 @@ class DynamicPolicy(VerifyPolicy):
                                   if graph_size(step.base_tokens + n) == cheaper else t
                                   for n, t in enumerate(table)])  # fmt: skip
             if not decode:  # drafts cost at least what they cost in a decode step, and
-                # what steps with prefill that verified drafts were measured at
+                # what steps with prefill that verified drafts were measured at (the
+                # line through those, docstring)
                 rows = forward.times(step.base_yield, drafts, True, optimistic)
                 dear = self.cost.drafted
-                with_drafts = (dear.times(step.base_tokens, drafts, False, optimistic)
+                with_drafts = (dear.times(step.base_tokens, drafts, False, optimistic=True)
                                if dear.ready else table)  # fmt: skip
                 base = table[0]
                 added = np.maximum(np.maximum(table - base, with_drafts - base), rows - rows[0])

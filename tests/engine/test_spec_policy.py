@@ -1128,6 +1128,27 @@ def test_drafts_in_a_prefill_step_cost_what_prefill_steps_with_drafts_were_measu
     assert len(policy.cost.drafted.points(False)) == 2
 
 
+def test_drafts_in_a_prefill_step_past_the_largest_measured_with_drafts_follow_their_line():
+    """Steps with prefill that verified drafts measured at 300 and 400 tokens only: a step
+    of 900 prompt tokens and 16 sequences prices its drafts along their line, as it would
+    had such a step of 1,000 tokens been measured on that line. Priced as much per token
+    as the largest (a few hundred tokens, their fixed costs spread over few), they looked
+    7 ms dear and none was verified."""
+
+    def line(tokens: int) -> float:  # 10 % over the line through all steps with prefill
+        return 1.1 * (0.010 + 0.026e-3 * (tokens - 256))
+
+    chosen = []
+    for sizes in ((300, 400), (300, 400, 1000)):
+        policy = _measured_with_prefill()
+        for _ in range(3):
+            for tokens in sizes:
+                policy.observe(tokens, line(tokens), 0.0, 0.0, drafted=True)
+        curves = [survival([0.8, 0.7])] * 16
+        chosen.append(sum(policy.lengths(VerifyStep(curves, curves, 900, 16, decode=False))))
+    assert chosen == [32, 32]
+
+
 def test_a_step_next_to_a_switch_of_mode_is_no_sample():
     """Under overlap a step's wall time holds the host's work on the step after it: the
     last step without drafts before a switch carries the planning of the first with
