@@ -63,11 +63,13 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   neighbouring sizes) says a total in the first unmeasured size above the measured
   choice's size pays more than that choice (by ``EXPLORE_MARGIN``), that total is verified
   once every ``EXPLORE_EVERY`` steps (at once where the choice is no drafts: exploring
-  then risks least) until its size has samples; then its measured cost decides, and the
-  next size up may be explored. On an H100 at 256 streams, with the full margin, 384 rows
-  priced along the line through 256 and 320 came to 24.3 tok/ms against none's 23.8 raised
-  by 3 % (the H100's fit prices them at 24.8, and 512 rows at 25.8), nothing was explored
-  past 320, and dynamic ran at 0.94x fixed-1 (``bench.spec_decode_sim --machine h100``).
+  then risks least) until its size has samples, whatever the choices meanwhile price it
+  at, and none of them is a verdict of no drafts (``_measure_on``); then its measured
+  cost decides, and the next size up may be explored. On an H100 at 256 streams, with
+  the full margin, 384 rows priced along the line through 256 and 320 came to 24.3
+  tok/ms against none's 23.8 raised by 3 % (the H100's fit prices them at 24.8, and 512
+  rows at 25.8), nothing was explored past 320, and dynamic ran at 0.94x fixed-1
+  (``bench.spec_decode_sim --machine h100``).
   Sizes are explored one at a time, upwards from the choice (an unmeasured size between
   measured ones too: priced as the larger one, it would otherwise never be tried), so an
   exploration costs at most one graph size more than what is known.
