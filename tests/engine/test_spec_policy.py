@@ -29,6 +29,7 @@ from engine.spec.policy import (
     REMEASURE_AFTER,
     DynamicPolicy,
     FixedPolicy,
+    VerifyPolicy,
     VerifyStep,
     allocate,
     best_gain,
@@ -658,6 +659,26 @@ def test_drafts_within_the_graphs_are_kept_where_they_pay():
     assert sum(1 for n, _, _ in late if n) >= 0.9 * len(late)
     assert all(32 + n <= 64 for n, _, _ in late if n)  # never past the graph once measured
     assert rate_of(late) > 1.5 * 32 / 0.010
+
+
+def test_tied_draft_slots_go_to_the_requests_with_the_fewest_tokens_out():
+    """Every request's drafts as likely kept: the slots a policy gives tie, and the
+    requests furthest behind take them, so that requests admitted together end together
+    (served in the batch's order, the same requests took every tied slot, and their
+    successors' prompts came a few a step, each step with prefill costing twice a
+    decode step)."""
+
+    class Two(VerifyPolicy):
+        def lengths(self, step: VerifyStep) -> list[int]:
+            return allocate(step.curves, 2)
+
+    spec = dynamic_spec(guard=False)
+    spec.policy = Two()
+    reqs = [request(f"r{i}") for i in range(4)]
+    for i, r in enumerate(reqs):
+        r.output_token_ids.extend([7] * (3 - i))  # r3 has the fewest tokens out
+    cands = [Candidate(r, [0, 0], survival([0.8, 0.7])) for r in reqs]
+    assert spec.lengths(cands, 4, 4, decode=True, limit=100) == [0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("seed", range(3))
