@@ -62,10 +62,11 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   So an unmeasured size is *explored*: when the optimistic price (the line through the
   neighbouring sizes) says a total in the first unmeasured size above the measured
   choice's size pays more than that choice (by ``EXPLORE_MARGIN``), that total is verified
-  once every ``EXPLORE_EVERY`` steps (at once where the choice is no drafts: exploring
-  then risks least) until its size has samples, whatever the choices meanwhile price it
-  at, and none of them is a verdict of no drafts (``_measure_on``); then its measured
-  cost decides, and the next size up may be explored. On an H100 at 256 streams, with
+  (looked for once every ``EXPLORE_EVERY`` steps, at once where the choice is no drafts:
+  exploring then risks least), and the size is filled on the decode steps right after
+  until it has its samples, whatever the choices meanwhile price it at, none of them a
+  verdict of no drafts (``_measure_on``); then its measured cost decides, and the next
+  size up may be explored. On an H100 at 256 streams, with
   the full margin, 384 rows priced along the line through 256 and 320 came to 24.3
   tok/ms against none's 23.8 raised by 3 % (the H100's fit prices them at 24.8, and 512
   rows at 25.8), nothing was explored past 320, and dynamic ran at 0.94x fixed-1
@@ -250,7 +251,9 @@ class DynamicPolicy(VerifyPolicy):
         total = choose(pricer(False), step.limit)
         self._since_explore += 1
         due = self._since_explore >= EXPLORE_EVERY
-        if due or not total:  # a choice of no drafts explores at once: it risks least
+        if decode and (more := self._measure_on(step, total)):
+            total = more  # an exploration under way goes on at once
+        elif due or not total:  # a choice of no drafts explores at once: it risks least
             if due:
                 self._since_explore = 0
             # one size past the measured ones at a time: the top of the first unmeasured
@@ -264,8 +267,6 @@ class DynamicPolicy(VerifyPolicy):
                 self._since_explore = 0
                 if decode:
                     self._measuring = graph_size(step.base_tokens + hope)
-            elif decode and (more := self._measure_on(step, total)):
-                total = more
             elif due and decode:
                 total = self._remeasure(step, total, pricer, choose)
         # no drafts is a verdict only where the step's own size was measured, and no
@@ -301,14 +302,19 @@ class DynamicPolicy(VerifyPolicy):
     def _measure_on(self, step: VerifyStep, total: int) -> int:
         """The total that goes on measuring the decode size an exploration began to
         measure: the drafts that fill it, while its samples are not all in and the
-        batch's steps still come to it (0: none, or no longer). It runs where an
-        exploration may (every ``EXPLORE_EVERY`` steps, at once after a choice of none,
-        which is then no verdict), whether or not the size still looks worth it: the
-        choice after an exploration is planned from curves a step old, which priced it
-        under the margin, and a verdict of none rested the drafter, after which the
-        size's lone sample was forgotten. On the simulated H100 at 256 streams, 320
-        rows ran once every rest so, 384 and 512 rows were never explored above them,
-        and dynamic verified no draft for the whole point (0.95x fixed k = 1)."""
+        batch's steps still come to it (0: none, or no longer). It runs on the decode
+        steps right after (a choice of none meanwhile is no verdict), whether or not the
+        size still looks worth it: the choice after an exploration is planned from
+        curves a step old, which priced it under the margin, and a verdict of none
+        rested the drafter, after which the size's lone sample was forgotten. On the
+        simulated H100 at 256 streams, 320 rows ran once every rest so, 384 and 512 rows
+        were never explored above them, and dynamic verified no draft for the whole point
+        (0.95x fixed k = 1). At once, not one step in ``EXPLORE_EVERY``: a size costs
+        its three samples' steps either way, and spread out they took a dozen decode
+        steps, most of what a prefill-heavy point at 16 streams has between its prompts
+        (on an H100 the 64-row size, three drafts a request, was measured only in the
+        second of its two passes, and dynamic verified one a request until then: 0.92x
+        fixed k = 4)."""
         size, base = self._measuring, step.base_tokens
         drafts = sum(len(c) for c in step.curves)
         if step.limit is not None:

@@ -888,6 +888,27 @@ def test_an_explored_size_is_measured_to_the_end_though_the_next_choice_prices_i
     assert chosen[-100::2] == [256] * 50
 
 
+def test_an_exploration_fills_its_size_on_the_decode_steps_right_after():
+    """16 streams, 16- and 32-row steps measured, 64 rows (three drafts a request) pay
+    by far. Once the first step of 64 rows runs, the next decode steps fill that size
+    until its samples are in: spread one every ``EXPLORE_EVERY`` steps, they took a
+    dozen steps, most of the decode steps a prefill-heavy point has between prompts."""
+    forward_s = {16: 7.0e-3, 32: 7.2e-3, 64: 7.6e-3, 128: 9.0e-3}
+    policy = DynamicPolicy()
+    for rows in (16, 32) * 3:
+        policy.observe(rows, forward_s[rows], 0.0001, 0.0, True)
+    curves = [survival(RATES)] * 16
+    step = VerifyStep(curves, curves, 16, 16, decode=True)
+    chosen = []
+    while not policy.cost.forward.measured(64, True):
+        n = sum(policy.lengths(step))
+        chosen.append(n)
+        policy.observe(16 + n, forward_s[graph_size(16 + n)], 0.0001, 0.0, True)
+        assert len(chosen) < 50
+    first = next(i for i, n in enumerate(chosen) if graph_size(16 + n) == 64)
+    assert chosen[first:] == [48] * 3
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_forward_times_in_one_pass_equal_time_of_each(seed):
     rng = random.Random(seed)
