@@ -864,9 +864,9 @@ def test_an_explored_size_is_measured_to_the_end_though_the_next_choice_prices_i
     from curves that price it under the margin (as the plan after a step in flight is).
     A choice of none there was a verdict: the drafter rested, the size's lone sample was
     forgotten after the rest, and on the simulated H100 dynamic verified no draft for the
-    whole point. Until the size is measured, a choice of none is no verdict and the size
-    goes on being measured; then 384 and 512 rows are explored, and a draft a request
-    (512 rows, the one total that pays) is verified."""
+    whole point. The size goes on being measured, no verdict of none before its samples
+    are in; then 384 and 512 rows are explored, and a draft a request (512 rows, the one
+    total that pays) is verified."""
     forward_s = {128: 9.0e-3, 256: 12.6e-3, 320: 14.8e-3, 384: 16.9e-3, 512: 21.2e-3}
     policy = DynamicPolicy()
     if remeasured:
