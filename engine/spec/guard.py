@@ -246,6 +246,7 @@ class RealizedGainGuard:
         decides = (r.fresh and spec is not None and ceiling is not None
                    and spec >= DECISIVE_RATIO * ceiling)  # fmt: skip
         r.fresh = False
+        r.due &= not decides  # an early probe it answers is answered too, not put off a step
         return decides
 
     def rest_probe(self, key: tuple[int, bool]) -> int:
