@@ -66,11 +66,10 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   exploring then risks least), and the size is filled on the decode steps right after
   until it has its samples, whatever the choices meanwhile price it at
   (``_measure_on``); then its measured cost decides, and the next size up may be
-  explored. On an H100 at 256 streams, with
-  the full margin, 384 rows priced along the line through 256 and 320 came to 24.3
-  tok/ms against none's 23.8 raised by 3 % (the H100's fit prices them at 24.8, and 512
-  rows at 25.8), nothing was explored past 320, and dynamic ran at 0.94x fixed-1
-  (``bench.spec_decode_sim --machine h100``).
+  explored. On an H100 at 256 streams, with the full margin, 384 rows priced along the
+  line through 256 and 320 came to 24.3 tok/ms against none's 23.8 raised by 3 % (the
+  H100's fit prices them at 24.8, and 512 rows at 25.8), nothing was explored past 320,
+  and dynamic ran at 0.94x fixed-1 (``bench.spec_decode_sim --machine h100``).
   Sizes are explored one at a time, upwards from the choice (an unmeasured size between
   measured ones too: priced as the larger one, it would otherwise never be tried), so an
   exploration costs at most one graph size more than what is known.
@@ -304,15 +303,14 @@ class DynamicPolicy(VerifyPolicy):
         steps right after, whether or not the size still looks worth it: the choice
         after an exploration is planned from curves a step old, which priced it under
         the margin, and its verdict of none rested the drafter, after which the size's
-        lone sample was forgotten. On the
-        simulated H100 at 256 streams, 320 rows ran once every rest so, 384 and 512 rows
-        were never explored above them, and dynamic verified no draft for the whole point
-        (0.95x fixed k = 1). At once, not one step in ``EXPLORE_EVERY``: a size costs
-        its three samples' steps either way, and spread out they took a dozen decode
-        steps, most of what a prefill-heavy point at 16 streams has between its prompts
-        (on an H100 the 64-row size, three drafts a request, was measured only in the
-        second of its two passes, and dynamic verified one a request until then: 0.92x
-        fixed k = 4)."""
+        lone sample was forgotten. On the simulated H100 at 256 streams, 320 rows ran
+        once every rest so, 384 and 512 rows were never explored above them, and dynamic
+        verified no draft for the whole point (0.95x fixed k = 1). At once, not one step
+        in ``EXPLORE_EVERY``: a size costs its three samples' steps either way, and spread
+        out they took a dozen decode steps, most of what a prefill-heavy point at 16
+        streams has between its prompts (on an H100 the 64-row size, three drafts a
+        request, was measured only in the second of its two passes, and dynamic verified
+        one a request until then: 0.92x fixed k = 4)."""
         size, base = self._measuring, step.base_tokens
         if not size:
             return 0
