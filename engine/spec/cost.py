@@ -63,6 +63,12 @@
   step with prefill gives no ratio (it costs more than its tokens say where it holds
   drafts: ``StepCostModel.drafted``); its samples are kept at the level too.
 
+  ``slope`` is what a token more costs a kind's steps, from the steps themselves: the
+  Theil-Sen slope through every sample kept (the median of the slopes between every
+  two), which a slow spell in a few of them does not move, where the rise between two
+  groups' medians is that of different steps (``engine.spec.policy`` prices the drafts
+  in a step with prefill so).
+
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
   unmeasured size is worth *exploring* (``measured`` says whether it is, ``frontier``
@@ -145,6 +151,7 @@ class ForwardTimeEstimator:
         self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
         self._cache: dict[bool, _Priced] | None = None
+        self._slopes: dict[bool, float | None] = {}  # per kind: ``slope``, until a sample
         # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
         self.graph_rows = 0
         # how fast the machine runs now against the samples kept: those are kept as
@@ -167,6 +174,7 @@ class ForwardTimeEstimator:
         self._last[key] = self._added
         self._group_points.pop(key, None)
         self._points = self._cache = None
+        self._slopes.clear()
         if self._added % PRUNE_EVERY == 0:
             # the stale ones, oldest first, while two groups stay (``ready`` needs two)
             stale = sorted((n, k) for k, n in self._last.items()
@@ -209,6 +217,7 @@ class ForwardTimeEstimator:
             self._group_points.pop(key, None)
         if keys:
             self._points = self._cache = None
+            self._slopes.clear()
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:
@@ -290,6 +299,32 @@ class ForwardTimeEstimator:
         slope = max(statistics.median(slopes), 0.0)
         baseline = max(statistics.median(s - slope * t for t, s in points), 0.0)
         return self.level * baseline, self.level * slope
+
+    def slope(self, decode: bool = False) -> float | None:
+        """Seconds per token of one Theil-Sen line through the samples of a kind, each step
+        its own point (not the groups' medians): the median of the slopes between every
+        two samples of different sizes, never below 0; None while there are fewer than
+        ``min_group`` samples or all of one size. What a token more costs an eager step:
+        along the groups' points it is the rise between two medians of different steps,
+        which a slow spell of the host in one group multiplies (module docstring)."""
+        if decode not in self._slopes:
+            self._slopes[decode] = self._theil_sen(decode)
+        slope = self._slopes[decode]
+        return None if slope is None else self.level * slope
+
+    def _theil_sen(self, decode: bool) -> float | None:
+        """``slope`` at the samples' level."""
+        samples = [s for key, g in self._groups.items() if key[0] == decode for s in g]
+        slope = None
+        if len(samples) >= self.min_group:
+            tokens = np.array([t for t, _ in samples], dtype=np.float64)
+            seconds = np.array([s for _, s in samples])
+            rise = tokens[None, :] - tokens[:, None]
+            up = rise > 0  # each pair once, of different sizes
+            if up.any():
+                slopes = (seconds[None, :] - seconds[:, None])[up] / rise[up]
+                slope = max(float(np.median(slopes)), 0.0)
+        return slope
 
     def time(self, tokens: int, decode: bool = False, optimistic: bool = False) -> float:
         """Seconds for a forward of ``tokens`` tokens of this kind (module docstring)."""

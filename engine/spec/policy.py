@@ -49,11 +49,21 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   tokens and 400-500 drafts 10-20 % under what they took (the drafts' sequences' contexts
   are read by the prefill path's attention), and drafts packed into them paid 21.4 tok/ms
   against 24.3 without. And at least at what steps with prefill that verified drafts
-  were measured at (``StepCostModel.drafted``), along the line through those points,
-  past the largest one too: priced there as much per token as the largest (a few hundred
-  tokens, its fixed costs spread over few), a step of 780 prompt tokens and 14 drafts
-  came to 36 ms where such steps took 23, and its drafts looked dear by 8 ms (simulated
-  H100, 16 streams prefill-heavy: 0.95-0.98x fixed k = 3, 0.97-1.00 so).
+  were measured at (``StepCostModel.drafted``): the line through those points at the
+  step's own tokens, and from there each draft at the slope of their samples. What a
+  token adds to a step with prefill is a slope, and steps with prefill are few and
+  noisy: their sizes fall in coarse groups (powers of two past the graphs), and the rise
+  between two groups' medians is the rise between different steps. So it is the
+  Theil-Sen slope through the steps themselves (``ForwardTimeEstimator.slope``), for the
+  prefill kind's own price of drafts too. On an H100 at 64 decode streams, a slow spell
+  of the host doubled a few steps of 520-600 tokens, the line between the medians rose
+  89 us a token where the steps' own slope was ~20 (the drafts cost ~25), and 8-11 steps
+  of ~500 prompt tokens a pass verified no draft (~60 tokens each, where drafted ones
+  yielded ~145). Past the largest such step, priced as much per token as the largest (a
+  few hundred tokens, its fixed costs spread over few), a step of 780 prompt tokens and
+  14 drafts came to 36 ms where such steps took 23, and its drafts looked dear by 8 ms
+  (simulated H100, 16 streams prefill-heavy: 0.95-0.98x fixed k = 3, 0.97-1.00 along
+  the line).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
@@ -94,7 +104,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.spec.cost import StepCostModel, graph_size
+from engine.spec.cost import ForwardTimeEstimator, StepCostModel, graph_size
 
 
 @dataclass(frozen=True)
@@ -221,14 +231,15 @@ class DynamicPolicy(VerifyPolicy):
                                   if graph_size(step.base_tokens + n) == cheaper else t
                                   for n, t in enumerate(table)])  # fmt: skip
             if not decode:  # drafts cost at least what they cost in a decode step, and
-                # what steps with prefill that verified drafts were measured at (the
-                # line through those, docstring)
-                rows = forward.times(step.base_yield, drafts, True, optimistic)
-                dear = self.cost.drafted
-                with_drafts = (dear.times(step.base_tokens, drafts, False, optimistic=True)
-                               if dear.ready else table)  # fmt: skip
+                # what steps with prefill that verified drafts were measured at (from
+                # there on along the samples' slope, docstring)
                 base = table[0]
-                added = np.maximum(np.maximum(table - base, with_drafts - base), rows - rows[0])
+                rows = forward.times(step.base_yield, drafts, True, optimistic)
+                added = np.maximum(_rise(forward, table), rows - rows[0])
+                dear = self.cost.drafted
+                if dear.ready:
+                    line = dear.times(step.base_tokens, drafts, False, optimistic=True)
+                    added = np.maximum(added, line[0] - base + _rise(dear, line))
                 table = base + added
                 table[0] = base
             out = table + fixed
@@ -325,6 +336,16 @@ class DynamicPolicy(VerifyPolicy):
         self.explored += 1
         self._since_explore = 0
         return fill
+
+
+def _rise(estimator: ForwardTimeEstimator, table: np.ndarray) -> np.ndarray:
+    """What n = 0..len(table) - 1 tokens add to a step with prefill: the estimator's
+    Theil-Sen slope over its samples (``ForwardTimeEstimator.slope``) times n, or
+    ``table``'s own rise while it has none."""
+    slope = estimator.slope(False)
+    if slope is None:
+        return table - table[0]
+    return slope * np.arange(len(table))
 
 
 def survivals(curves: Sequence[Sequence[float]]) -> np.ndarray:

@@ -1244,3 +1244,28 @@ def test_under_overlap_a_step_is_priced_at_least_its_host_time():
 
     exposed = VerifyStep(curves, curves, 16, 16, decode=True, host_times=host_times)
     assert sum(policy.lengths(exposed)) == 0
+
+
+def test_drafts_in_a_prefill_step_are_priced_along_the_samples_slope_not_a_slow_spells():
+    """Steps with prefill of 300-500 tokens took 6 ms + 20 us a token, and three of six
+    of 540-600 tokens came in a slow spell of the host, twice that: the line between the
+    two groups' medians rises ~60 us a token, a step of 561 tokens priced its drafts at
+    that, and verified none (on an H100 at 64 decode streams 8-11 such steps a pass,
+    ~60 tokens each where drafted ones yielded ~145). Along the samples' own slope (a
+    Theil-Sen line, which the spell's few samples do not move) they cost ~20 us each."""
+    policy = DynamicPolicy()
+    policy.graphs(512)
+    for _ in range(3):
+        policy.observe(64, 0.0071, 0.0, 0.0, decode=True)
+        policy.observe(256, 0.0107, 0.0, 0.0, decode=True)
+
+    def took(tokens: int) -> float:
+        return 0.006 + 20e-6 * tokens
+
+    for tokens in (300, 330, 360, 390, 420, 450, 480, 500):
+        policy.observe(tokens, took(tokens), 0.0, 0.0)
+    for tokens, spell in ((540, 2), (550, 1), (570, 2), (580, 1), (590, 1), (600, 2)):
+        policy.observe(tokens, spell * took(tokens), 0.0, 0.0)
+    assert policy.cost.forward.slope(False) == pytest.approx(20e-6, rel=0.05)
+    curves = [survival([0.8, 0.7, 0.6])] * 60
+    assert sum(policy.lengths(VerifyStep(curves, curves, 561, 60, decode=False))) == 180
