@@ -61,13 +61,13 @@
   before the spell (8 ms) looked cheaper than the one running in it, the policy verified
   one draft a request at 64 streams where three paid, and ran at 0.81x fixed k = 3. A
   step with prefill gives no ratio (it costs more than its tokens say where it holds
-  drafts: ``StepCostModel.drafted``); its samples are kept at the level too.
+  drafts: ``DraftCost``); its samples are kept at the level too.
 
-  ``slope`` is what a token more costs a kind's steps, from the steps themselves: the
-  Theil-Sen slope through every sample kept (the median of the slopes between every
-  two), which a slow spell in a few of them does not move, where the rise between two
-  groups' medians is that of different steps (``engine.spec.policy`` prices the drafts
-  in a step with prefill so).
+  ``line`` is one Theil-Sen line through every sample of a kind kept, each step its own
+  point: its slope (the median of the slopes between every two) is what a token more
+  costs, and a slow spell in a few of the steps does not move it, where the rise between
+  two groups' medians is that of different steps (``engine.spec.policy`` prices the
+  drafts in a step with prefill so).
 
   ``time(..., optimistic=True)`` is the old line through the points on either side
   (past the last, along the last two): what the policy uses to decide whether an
@@ -75,7 +75,10 @@
   where the first unmeasured size above a step ends). ``fit`` is
   one Theil-Sen line through every point (a summary; pricing is local). The estimator
   is ready once two groups have ``min_group`` samples each.
-- ``StepCostModel``: the three together, ``time(tokens)`` of a whole step.
+- ``DraftCost``: what a draft in a step with prefill costs beyond a token of that
+  kind's line.
+- ``StepCostModel``: the forward's, the sampler's and the drafter's together,
+  ``time(tokens)`` of a whole step, and ``DraftCost``.
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ class ForwardTimeEstimator:
         self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
         self._cache: dict[bool, _Priced] | None = None
-        self._slopes: dict[bool, float | None] = {}  # per kind: ``slope``, until a sample
+        self._lines: dict[bool, tuple[float, float] | None] = {}  # per kind: ``line``
         # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
         self.graph_rows = 0
         # how fast the machine runs now against the samples kept: those are kept as
@@ -174,7 +177,7 @@ class ForwardTimeEstimator:
         self._last[key] = self._added
         self._group_points.pop(key, None)
         self._points = self._cache = None
-        self._slopes.clear()
+        self._lines.clear()
         if self._added % PRUNE_EVERY == 0:
             # the stale ones, oldest first, while two groups stay (``ready`` needs two)
             stale = sorted((n, k) for k, n in self._last.items()
@@ -217,7 +220,7 @@ class ForwardTimeEstimator:
             self._group_points.pop(key, None)
         if keys:
             self._points = self._cache = None
-            self._slopes.clear()
+            self._lines.clear()
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:
@@ -300,31 +303,32 @@ class ForwardTimeEstimator:
         baseline = max(statistics.median(s - slope * t for t, s in points), 0.0)
         return self.level * baseline, self.level * slope
 
-    def slope(self, decode: bool = False) -> float | None:
-        """Seconds per token of one Theil-Sen line through the samples of a kind, each step
-        its own point (not the groups' medians): the median of the slopes between every
-        two samples of different sizes, never below 0; None while there are fewer than
+    def line(self, decode: bool = False) -> tuple[float, float] | None:
+        """(baseline, slope) of one Theil-Sen line through the samples of a kind, each step
+        its own point (not the groups' medians): the slope is the median of the slopes
+        between every two samples of different sizes (never below 0), the baseline the
+        median of what each sample took beyond it; None while there are fewer than
         ``min_group`` samples or all of one size. What a token more costs an eager step:
         along the groups' points it is the rise between two medians of different steps,
         which a slow spell of the host in one group multiplies (module docstring)."""
-        if decode not in self._slopes:
-            self._slopes[decode] = self._theil_sen(decode)
-        slope = self._slopes[decode]
-        return None if slope is None else self.level * slope
+        if decode not in self._lines:
+            self._lines[decode] = self._theil_sen(decode)
+        line = self._lines[decode]
+        return None if line is None else (self.level * line[0], self.level * line[1])
 
-    def _theil_sen(self, decode: bool) -> float | None:
-        """``slope`` at the samples' level."""
+    def _theil_sen(self, decode: bool) -> tuple[float, float] | None:
+        """``line`` at the samples' level."""
         samples = [s for key, g in self._groups.items() if key[0] == decode for s in g]
-        slope = None
-        if len(samples) >= self.min_group:
-            tokens = np.array([t for t, _ in samples], dtype=np.float64)
-            seconds = np.array([s for _, s in samples])
-            rise = tokens[None, :] - tokens[:, None]
-            up = rise > 0  # each pair once, of different sizes
-            if up.any():
-                slopes = (seconds[None, :] - seconds[:, None])[up] / rise[up]
-                slope = max(float(np.median(slopes)), 0.0)
-        return slope
+        if len(samples) < self.min_group:
+            return None
+        tokens = np.array([t for t, _ in samples], dtype=np.float64)
+        seconds = np.array([s for _, s in samples])
+        rise = tokens[None, :] - tokens[:, None]
+        up = rise > 0  # each pair once, of different sizes
+        if not up.any():
+            return None
+        slope = max(float(np.median((seconds[None, :] - seconds[:, None])[up] / rise[up])), 0.0)
+        return float(np.median(seconds - slope * tokens)), slope
 
     def time(self, tokens: int, decode: bool = False, optimistic: bool = False) -> float:
         """Seconds for a forward of ``tokens`` tokens of this kind (module docstring)."""
@@ -466,29 +470,58 @@ def _local_line(points: list[Point], tokens: int) -> float:
     return max(s1 + slope * (tokens - t1), 0.0)
 
 
+class DraftCost:
+    """What a draft in a step with prefill costs beyond a token of that kind's line: the
+    median, over the latest ``window`` such steps that verified drafts, of the time each
+    took beyond the line through every step with prefill (``ForwardTimeEstimator.line``)
+    over its drafts. Their rows of several tokens per sequence cost more than their count
+    says: on the H200 at 64 streams of the 8B shape, steps of a few hundred prompt tokens
+    and ~190 drafts took 1.4-1.8x what the line through all steps with prefill priced
+    them at, ~45 us a draft, and such drafts yielded 7.7 tok/ms where a decode step
+    yields 11.4. A median of each step's own excess, not a line through these steps
+    apart: two lines' difference at a step's size is an extrapolation of both, and the
+    policy priced 100 drafts in a step of 558 prompt tokens 6.7 ms over the line through
+    all (an H100 at 64 decode streams, where they took ~2.5)."""
+
+    def __init__(self, window: int = 48, min_samples: int = 3) -> None:
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+
+    def add(self, tokens: int, drafts: int, seconds: float) -> None:
+        self._samples.append((tokens, drafts, seconds))
+
+    @property
+    def ready(self) -> bool:
+        return len(self._samples) >= self.min_samples
+
+    def extra(self, line: tuple[float, float]) -> float:
+        """Seconds a draft costs beyond ``line``'s slope (0 until ready; never below 0)."""
+        if not self.ready:
+            return 0.0
+        baseline, slope = line
+        excess = statistics.median((s - baseline - slope * t) / d for t, d, s in self._samples)
+        return max(excess, 0.0)
+
+
 class StepCostModel:
     """Seconds one step takes: the forward of its tokens, then sampling, then drafting.
 
-    ``drafted``: the forwards of steps with prefill that verified drafts, apart (they are
-    in ``forward`` too). Their rows of several tokens per sequence cost more than their
-    count says: on the H200 at 64 streams of the 8B shape, steps of a few hundred prompt
-    tokens and ~190 drafts took 1.4-1.8x what the line through all steps with prefill
-    priced them at, ~45 us a draft, and such drafts yielded 7.7 tok/ms where a decode step
-    yields 11.4."""
+    ``drafted``: what the drafts of steps with prefill cost beyond those steps' line
+    (``DraftCost``)."""
 
     def __init__(self) -> None:
         self.forward = ForwardTimeEstimator()
-        self.drafted = ForwardTimeEstimator()
+        self.drafted = DraftCost()
         self.sampler = MedianEstimator()
         self.drafter = MedianEstimator()
 
     def add(
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
-        decode: bool = False, drafted: bool = False,
+        decode: bool = False, drafts: int = 0,
     ) -> None:  # fmt: skip
         self.forward.add(tokens, forward_s, decode)
-        if drafted and not decode:
-            self.drafted.add(tokens, forward_s, False)
+        if drafts and not decode:
+            self.drafted.add(tokens, drafts, forward_s)
         self.sampler.add(sample_s)
         self.drafter.add(draft_s)
 

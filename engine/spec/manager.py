@@ -433,7 +433,7 @@ class SpecDecoding:
                 counters.time_us += round(1e6 * measured)
                 counters.time_error_us += round(1e6 * abs(predicted - measured))
             self.policy.observe(plan.num_tokens, timing.forward_s, timing.sample_s,
-                                timing.draft_s, decode, verified > 0)  # fmt: skip
+                                timing.draft_s, decode, verified)  # fmt: skip
             sampling = sum(c.sample for c in plan.chunks)
             timed = interval is not None and interval <= MAX_GAP_FACTOR * max(measured, 1e-4)
             if (timed and verified and self.lagged and not self.on_device

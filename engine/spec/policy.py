@@ -48,22 +48,18 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   kind's line, fitted on steps of long prompts, priced steps of a few hundred prompt
   tokens and 400-500 drafts 10-20 % under what they took (the drafts' sequences' contexts
   are read by the prefill path's attention), and drafts packed into them paid 21.4 tok/ms
-  against 24.3 without. And at least at what steps with prefill that verified drafts
-  were measured at (``StepCostModel.drafted``): the line through those points at the
-  step's own tokens, and from there each draft at the slope of their samples. What a
-  token adds to a step with prefill is a slope, and steps with prefill are few and
-  noisy: their sizes fall in coarse groups (powers of two past the graphs), and the rise
-  between two groups' medians is the rise between different steps. So it is the
-  Theil-Sen slope through the steps themselves (``ForwardTimeEstimator.slope``), for the
-  prefill kind's own price of drafts too. On an H100 at 64 decode streams, a slow spell
-  of the host doubled a few steps of 520-600 tokens, the line between the medians rose
-  89 us a token where the steps' own slope was ~20 (the drafts cost ~25), and 8-11 steps
-  of ~500 prompt tokens a pass verified no draft (~60 tokens each, where drafted ones
-  yielded ~145). Past the largest such step, priced as much per token as the largest (a
-  few hundred tokens, its fixed costs spread over few), a step of 780 prompt tokens and
-  14 drafts came to 36 ms where such steps took 23, and its drafts looked dear by 8 ms
-  (simulated H100, 16 streams prefill-heavy: 0.95-0.98x fixed k = 3, 0.97-1.00 along
-  the line).
+  against 24.3 without. And at least at a token of the line through the steps with
+  prefill each, plus what such steps that verified drafts took beyond that line a draft
+  (``engine.spec.cost.DraftCost``). Steps with prefill are few and noisy, and their sizes
+  fall in coarse groups (powers of two past the graphs): the rise between two groups'
+  medians is the rise between different steps, and the line through the groups of steps
+  with drafts, taken at a step's size, extrapolates. So that line is a Theil-Sen line
+  through the steps themselves (``ForwardTimeEstimator.line``). On an H100 at 64 decode
+  streams, with a slow spell of the host in a few steps of 520-600 tokens, the medians'
+  line rose 89 us a token where the steps' own rose ~25, and 100 drafts in a step of 558
+  prompt tokens were priced 6.7 ms over it by the line of the steps with drafts (they
+  took ~2.5): 8-25 steps of ~500 prompt tokens a pass verified no draft, ~60 tokens
+  each, where drafted ones yielded ~145 (0.95x fixed k = 3).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
@@ -104,7 +100,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.spec.cost import ForwardTimeEstimator, StepCostModel, graph_size
+from engine.spec.cost import StepCostModel, graph_size
 
 
 @dataclass(frozen=True)
@@ -145,10 +141,10 @@ class VerifyPolicy(ABC):
 
     def observe(  # noqa: B027
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
-        decode: bool = False, drafted: bool = False,
+        decode: bool = False, drafts: int = 0,
     ) -> None:  # fmt: skip
         """A step of ``tokens`` tokens (``decode``: every chunk one token plus drafts;
-        ``drafted``: it verified drafts) ran in these times."""
+        ``drafts``: how many it verified) ran in these times."""
 
     def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         """The step time the policy expects for ``tokens`` tokens (None: no model)."""
@@ -195,9 +191,9 @@ class DynamicPolicy(VerifyPolicy):
 
     def observe(
         self, tokens: int, forward_s: float, sample_s: float, draft_s: float,
-        decode: bool = False, drafted: bool = False,
+        decode: bool = False, drafts: int = 0,
     ) -> None:  # fmt: skip
-        self.cost.add(tokens, forward_s, sample_s, draft_s, decode, drafted)
+        self.cost.add(tokens, forward_s, sample_s, draft_s, decode, drafts)
 
     def predicted_time(self, tokens: int, decode: bool = False) -> float | None:
         return self.cost.time(tokens, decode) if self.cost.ready else None
@@ -231,17 +227,18 @@ class DynamicPolicy(VerifyPolicy):
                                   if graph_size(step.base_tokens + n) == cheaper else t
                                   for n, t in enumerate(table)])  # fmt: skip
             if not decode:  # drafts cost at least what they cost in a decode step, and
-                # what steps with prefill that verified drafts were measured at (from
-                # there on along the samples' slope, docstring)
+                # a token of the line through the steps with prefill each, plus what
+                # those that verified drafts took beyond it a draft (docstring)
                 base = table[0]
                 rows = forward.times(step.base_yield, drafts, True, optimistic)
-                added = np.maximum(_rise(forward, table), rows - rows[0])
-                dear = self.cost.drafted
-                if dear.ready:
-                    line = dear.times(step.base_tokens, drafts, False, optimistic=True)
-                    added = np.maximum(added, line[0] - base + _rise(dear, line))
+                added = rows - rows[0]
+                line = forward.line(False)
+                if line is None:
+                    added = np.maximum(added, table - base)
+                else:
+                    each = line[1] + self.cost.drafted.extra(line)
+                    added = np.maximum(added, each * np.arange(drafts + 1))
                 table = base + added
-                table[0] = base
             out = table + fixed
             out[1:] += drafting
             if step.host_times is not None and decode:  # it waits for the longer of the two
@@ -336,16 +333,6 @@ class DynamicPolicy(VerifyPolicy):
         self.explored += 1
         self._since_explore = 0
         return fill
-
-
-def _rise(estimator: ForwardTimeEstimator, table: np.ndarray) -> np.ndarray:
-    """What n = 0..len(table) - 1 tokens add to a step with prefill: the estimator's
-    Theil-Sen slope over its samples (``ForwardTimeEstimator.slope``) times n, or
-    ``table``'s own rise while it has none."""
-    slope = estimator.slope(False)
-    if slope is None:
-        return table - table[0]
-    return slope * np.arange(len(table))
 
 
 def survivals(curves: Sequence[Sequence[float]]) -> np.ndarray:

@@ -1153,29 +1153,34 @@ def test_the_guard_compares_the_modes_side_by_side():
 
 def test_drafts_in_a_prefill_step_cost_what_prefill_steps_with_drafts_were_measured_at():
     """Steps with prefill that verified drafts took more than the line through all steps
-    with prefill says (rows of several tokens per sequence): once two sizes of them are
-    measured, a prefill step's drafts are priced at that, and fewer pay."""
+    with prefill says (rows of several tokens per sequence): once some of them are
+    measured, a prefill step's drafts are priced at what those took beyond the line a
+    draft, and fewer pay."""
     policy = _measured_with_prefill()
     curves = [survival([0.8, 0.7])] * 64
     step = VerifyStep(curves, curves, 300, 64, decode=False)
     before = sum(policy.lengths(step))
     assert before >= 64
     assert not policy.cost.drafted.ready
-    for _ in range(3):  # 1.6x the line's price
-        policy.observe(400, 1.6 * 0.01375, 0.0, 0.0, drafted=True)
-        policy.observe(700, 1.6 * 0.02156, 0.0, 0.0, drafted=True)
+    for _ in range(3):  # 1.6x the line's price, 128 drafts each
+        policy.observe(400, 1.6 * 0.01375, 0.0, 0.0, drafts=128)
+        policy.observe(700, 1.6 * 0.02156, 0.0, 0.0, drafts=128)
     assert policy.cost.drafted.ready
     assert sum(policy.lengths(step)) < before // 2
-    policy.observe(600, 0.02, 0.0, 0.0, decode=True, drafted=True)  # a decode step: not those
-    assert len(policy.cost.drafted.points(False)) == 2
+    line = policy.cost.forward.line(False)
+    extra = policy.cost.drafted.extra(line)
+    policy.observe(600, 0.02, 0.0, 0.0, decode=True, drafts=128)  # a decode step: not those
+    assert policy.cost.drafted.extra(line) == extra
 
 
-def test_drafts_in_a_prefill_step_past_the_largest_measured_with_drafts_follow_their_line():
-    """Steps with prefill that verified drafts measured at 300 and 400 tokens only: a step
-    of 900 prompt tokens and 16 sequences prices its drafts along their line, as it would
-    had such a step of 1,000 tokens been measured on that line. Priced as much per token
-    as the largest (a few hundred tokens, their fixed costs spread over few), they looked
-    7 ms dear and none was verified."""
+def test_drafts_in_a_long_prefill_step_cost_what_they_cost_in_the_short_ones_measured():
+    """Steps with prefill that verified 32 drafts measured at 300 and 400 tokens only: a
+    step of 900 prompt tokens and 16 sequences prices its drafts at what a draft took
+    there beyond the line through all steps with prefill, as it would had such a step of
+    1,000 tokens been measured. Priced along the line through the steps with drafts
+    alone, past the largest of them as much per token as the largest (a few hundred
+    tokens, their fixed costs spread over few), they looked 7 ms dear and none was
+    verified."""
 
     def line(tokens: int) -> float:  # 10 % over the line through all steps with prefill
         return 1.1 * (0.010 + 0.026e-3 * (tokens - 256))
@@ -1185,7 +1190,7 @@ def test_drafts_in_a_prefill_step_past_the_largest_measured_with_drafts_follow_t
         policy = _measured_with_prefill()
         for _ in range(3):
             for tokens in sizes:
-                policy.observe(tokens, line(tokens), 0.0, 0.0, drafted=True)
+                policy.observe(tokens, line(tokens), 0.0, 0.0, drafts=32)
         curves = [survival([0.8, 0.7])] * 16
         chosen.append(sum(policy.lengths(VerifyStep(curves, curves, 900, 16, decode=False))))
     assert chosen == [32, 32]
@@ -1266,6 +1271,36 @@ def test_drafts_in_a_prefill_step_are_priced_along_the_samples_slope_not_a_slow_
         policy.observe(tokens, took(tokens), 0.0, 0.0)
     for tokens, spell in ((540, 2), (550, 1), (570, 2), (580, 1), (590, 1), (600, 2)):
         policy.observe(tokens, spell * took(tokens), 0.0, 0.0)
-    assert policy.cost.forward.slope(False) == pytest.approx(20e-6, rel=0.05)
+    assert policy.cost.forward.line(False)[1] == pytest.approx(20e-6, rel=0.05)
     curves = [survival([0.8, 0.7, 0.6])] * 60
     assert sum(policy.lengths(VerifyStep(curves, curves, 561, 60, decode=False))) == 180
+
+
+def test_what_drafts_cost_in_a_prefill_step_is_each_steps_excess_not_two_lines_apart():
+    """Steps with prefill of 200-600 tokens took 6 ms + 20 us a token; those of 200-350
+    tokens that verified 100 drafts took 2 ms more, and those of 400-500, in a slow
+    spell of the host, 8 ms more. The line through the groups of steps with drafts alone,
+    taken at a step of 561 tokens, came 11 ms over the line through all, its drafts 41
+    us a token along it: they looked dear and none was verified (on an H100 at 64 decode
+    streams, 100 drafts in such a step were priced 6.7 ms over it where they took ~2.5).
+    Each step's own excess a draft (their median: 20 us) prices them at what they took."""
+    policy = DynamicPolicy()
+    policy.graphs(512)
+    for _ in range(3):
+        policy.observe(64, 0.0071, 0.0, 0.0, decode=True)
+        policy.observe(256, 0.0107, 0.0, 0.0, decode=True)
+
+    def took(tokens: int) -> float:
+        return 0.006 + 20e-6 * tokens
+
+    for tokens in range(200, 620, 20):
+        policy.observe(tokens, took(tokens), 0.0, 0.0)
+    for tokens in (200, 230, 250, 300, 350, 400, 450, 500):
+        more = 0.002 if tokens < 400 else 0.008
+        policy.observe(tokens, took(tokens) + more, 0.0, 0.0, drafts=100)
+    line = policy.cost.forward.line(False)
+    assert policy.cost.drafted.extra(line) == pytest.approx(20e-6, rel=0.1)
+    curves = [survival([0.8, 0.7, 0.6])] * 60
+    # the first two drafts pay (0.56 a draft of ~40 us, where a decode step yields 8.4 a
+    # ms), the third not quite
+    assert sum(policy.lengths(VerifyStep(curves, curves, 561, 60, decode=False))) == 120
