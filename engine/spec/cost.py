@@ -63,7 +63,7 @@
   step with prefill gives no ratio (it costs more than its tokens say where it holds
   drafts: ``DraftCost``); its samples are kept at the level too.
 
-  ``line`` is one Theil-Sen line through every sample of a kind kept, each step its own
+  ``line`` is one Theil-Sen line through the latest samples of a kind, each step its own
   point: its slope (the median of the slopes between every two) is what a token more
   costs, and a slow spell in a few of the steps does not move it, where the rise between
   two groups' medians is that of different steps (``engine.spec.policy`` prices the
@@ -87,6 +87,7 @@ import bisect
 import math
 import statistics
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -136,6 +137,8 @@ _Priced = tuple[list[int], list[Point], bool, np.ndarray, np.ndarray]
 STALE_AFTER = 512  # steps without a sample after which a group is forgotten (docstring)
 PRUNE_EVERY = 32  # steps between two looks for such groups
 LEVEL_WINDOW = 8  # the latest steps whose times over their prices make the level (docstring)
+LINE_WINDOW = 64  # the latest steps of a kind ``line`` runs through (every pair: 2,016; all
+# kept, ~550 at 48 a group, took 7 ms a step with prefill)
 
 
 class ForwardTimeEstimator:
@@ -154,7 +157,10 @@ class ForwardTimeEstimator:
         self._group_points: dict[tuple[bool, int], Point] = {}  # each group's medians
         self._points: dict[bool, list[tuple[int, Point]]] | None = None  # kind -> (group, point)
         self._cache: dict[bool, _Priced] | None = None
-        self._lines: dict[bool, tuple[float, float] | None] = {}  # per kind: ``line``
+        # per kind: its latest ``LINE_WINDOW`` samples, and the ``line`` through them
+        self._recent: dict[bool, deque[tuple[int, float]]] = {
+            kind: deque(maxlen=LINE_WINDOW) for kind in (False, True)}  # fmt: skip
+        self._lines: dict[bool, tuple[float, float] | None] = {}
         # decode steps of up to this many rows replay a CUDA graph (0: none do, eager)
         self.graph_rows = 0
         # how fast the machine runs now against the samples kept: those are kept as
@@ -173,11 +179,12 @@ class ForwardTimeEstimator:
                 self._ratios.append(self.level * seconds / price)
                 self.level = statistics.median(self._ratios)
         group.append((tokens, seconds / self.level))
+        self._recent[decode].append((tokens, seconds / self.level))
+        self._lines.pop(decode, None)
         self._added += 1
         self._last[key] = self._added
         self._group_points.pop(key, None)
         self._points = self._cache = None
-        self._lines.clear()
         if self._added % PRUNE_EVERY == 0:
             # the stale ones, oldest first, while two groups stay (``ready`` needs two)
             stale = sorted((n, k) for k, n in self._last.items()
@@ -220,7 +227,6 @@ class ForwardTimeEstimator:
             self._group_points.pop(key, None)
         if keys:
             self._points = self._cache = None
-            self._lines.clear()
 
     def _kind_points(self) -> dict[bool, list[tuple[int, Point]]]:
         if self._points is None:
@@ -286,49 +292,30 @@ class ForwardTimeEstimator:
 
     def fit(self) -> tuple[float, float] | None:
         """(baseline, slope) in seconds and seconds per token of one line through every
-        point (Theil-Sen); None until the estimator is ready."""
+        point (Theil-Sen, baseline never below 0); None until the estimator is ready."""
         if not self.ready:
             return None
         kinds = self._kind_points()
-        points = sorted(p for _, p in kinds[False] + kinds[True])
-        slopes = [
-            (s2 - s1) / (t2 - t1)
-            for i, (t1, s1) in enumerate(points)
-            for t2, s2 in points[i + 1 :]
-            if t2 > t1
-        ]
-        if not slopes:
+        line = _theil_sen([p for _, p in kinds[False] + kinds[True]])
+        if line is None:
             return None
-        slope = max(statistics.median(slopes), 0.0)
-        baseline = max(statistics.median(s - slope * t for t, s in points), 0.0)
-        return self.level * baseline, self.level * slope
+        baseline, slope = line
+        return self.level * max(baseline, 0.0), self.level * slope
 
     def line(self, decode: bool = False) -> tuple[float, float] | None:
-        """(baseline, slope) of one Theil-Sen line through the samples of a kind, each step
-        its own point (not the groups' medians): the slope is the median of the slopes
-        between every two samples of different sizes (never below 0), the baseline the
-        median of what each sample took beyond it; None while there are fewer than
-        ``min_group`` samples or all of one size. What a token more costs an eager step:
-        along the groups' points it is the rise between two medians of different steps,
-        which a slow spell of the host in one group multiplies (module docstring)."""
+        """(baseline, slope) of one Theil-Sen line through the latest ``LINE_WINDOW``
+        samples of a kind, each step its own point (not the groups' medians): the slope is
+        the median of the slopes between every two samples of different sizes (never below
+        0), the baseline the median of what each sample took beyond it; None while there
+        are fewer than ``min_group`` samples or all of one size. What a token more costs
+        an eager step: along the groups' points it is the rise between two medians of
+        different steps, which a slow spell of the host in one group multiplies (module
+        docstring)."""
         if decode not in self._lines:
-            self._lines[decode] = self._theil_sen(decode)
-        line = self._lines[decode]
+            recent = self._recent[decode]
+            self._lines[decode] = _theil_sen(recent) if len(recent) >= self.min_group else None
+        line = self._lines[decode]  # at the samples' level
         return None if line is None else (self.level * line[0], self.level * line[1])
-
-    def _theil_sen(self, decode: bool) -> tuple[float, float] | None:
-        """``line`` at the samples' level."""
-        samples = [s for key, g in self._groups.items() if key[0] == decode for s in g]
-        if len(samples) < self.min_group:
-            return None
-        tokens = np.array([t for t, _ in samples], dtype=np.float64)
-        seconds = np.array([s for _, s in samples])
-        rise = tokens[None, :] - tokens[:, None]
-        up = rise > 0  # each pair once, of different sizes
-        if not up.any():
-            return None
-        slope = max(float(np.median((seconds[None, :] - seconds[:, None])[up] / rise[up])), 0.0)
-        return float(np.median(seconds - slope * tokens)), slope
 
     def time(self, tokens: int, decode: bool = False, optimistic: bool = False) -> float:
         """Seconds for a forward of ``tokens`` tokens of this kind (module docstring)."""
@@ -440,6 +427,20 @@ def _piece(
         return t, s, 0.0, per_token
     (t1, s1), (t2, s2) = points[-2], points[-1]
     return t1, s1, max((s2 - s1) / (t2 - t1), 0.0) if t2 > t1 else 0.0, per_token
+
+
+def _theil_sen(points: Sequence[Point]) -> tuple[float, float] | None:
+    """(baseline, slope) of the Theil-Sen line through ``(tokens, seconds)`` points: the
+    median of the slopes between every two of different tokens (never below 0), and the
+    median of what each point took beyond it; None where all have the same tokens."""
+    tokens = np.array([t for t, _ in points], dtype=np.float64)
+    seconds = np.array([s for _, s in points], dtype=np.float64)
+    rise = tokens[None, :] - tokens[:, None]
+    up = rise > 0  # each pair once, of different tokens
+    if not up.any():
+        return None
+    slope = max(float(np.median((seconds[None, :] - seconds[:, None])[up] / rise[up])), 0.0)
+    return float(np.median(seconds - slope * tokens)), slope
 
 
 def _running_max(points: list[Point]) -> list[Point]:

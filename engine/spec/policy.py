@@ -59,7 +59,7 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   line rose 89 us a token where the steps' own rose ~25, and 100 drafts in a step of 558
   prompt tokens were priced 6.7 ms over it by the line of the steps with drafts (they
   took ~2.5): 8-25 steps of ~500 prompt tokens a pass verified no draft, ~60 tokens
-  each, where drafted ones yielded ~145 (0.95x fixed k = 3).
+  each, where drafted ones yielded ~145 (0.95-0.97x fixed k = 3).
 
   Steps are priced by their kind (``VerifyStep.decode``: every chunk one token plus
   drafts, the decode path and its CUDA graphs; or a step with prefill) and never more
