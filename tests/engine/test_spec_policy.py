@@ -1251,6 +1251,22 @@ def test_under_overlap_a_step_is_priced_at_least_its_host_time():
     assert sum(policy.lengths(exposed)) == 0
 
 
+def _h100_64_streams() -> DynamicPolicy:
+    """A dynamic policy that measured the decode steps of 64 streams on an H100: 64 rows
+    without drafts (7.1 ms) and 256 with three a request (10.7), graphs up to 512 rows."""
+    policy = DynamicPolicy()
+    policy.graphs(512)
+    for _ in range(3):
+        policy.observe(64, 0.0071, 0.0, 0.0, decode=True)
+        policy.observe(256, 0.0107, 0.0, 0.0, decode=True)
+    return policy
+
+
+def _took(tokens: int) -> float:
+    """A step with prefill of ``tokens`` tokens: 6 ms + 20 us a token."""
+    return 0.006 + 20e-6 * tokens
+
+
 def test_drafts_in_a_prefill_step_are_priced_along_the_samples_slope_not_a_slow_spells():
     """Steps with prefill of 300-500 tokens took 6 ms + 20 us a token, and three of six
     of 540-600 tokens came in a slow spell of the host, twice that: the line between the
@@ -1258,19 +1274,11 @@ def test_drafts_in_a_prefill_step_are_priced_along_the_samples_slope_not_a_slow_
     that, and verified none (on an H100 at 64 decode streams 8-11 such steps a pass,
     ~60 tokens each where drafted ones yielded ~145). Along the samples' own slope (a
     Theil-Sen line, which the spell's few samples do not move) they cost ~20 us each."""
-    policy = DynamicPolicy()
-    policy.graphs(512)
-    for _ in range(3):
-        policy.observe(64, 0.0071, 0.0, 0.0, decode=True)
-        policy.observe(256, 0.0107, 0.0, 0.0, decode=True)
-
-    def took(tokens: int) -> float:
-        return 0.006 + 20e-6 * tokens
-
+    policy = _h100_64_streams()
     for tokens in (300, 330, 360, 390, 420, 450, 480, 500):
-        policy.observe(tokens, took(tokens), 0.0, 0.0)
+        policy.observe(tokens, _took(tokens), 0.0, 0.0)
     for tokens, spell in ((540, 2), (550, 1), (570, 2), (580, 1), (590, 1), (600, 2)):
-        policy.observe(tokens, spell * took(tokens), 0.0, 0.0)
+        policy.observe(tokens, spell * _took(tokens), 0.0, 0.0)
     assert policy.cost.forward.line(False)[1] == pytest.approx(20e-6, rel=0.05)
     curves = [survival([0.8, 0.7, 0.6])] * 60
     assert sum(policy.lengths(VerifyStep(curves, curves, 561, 60, decode=False))) == 180
@@ -1284,20 +1292,12 @@ def test_what_drafts_cost_in_a_prefill_step_is_each_steps_excess_not_two_lines_a
     us a token along it: they looked dear and none was verified (on an H100 at 64 decode
     streams, 100 drafts in such a step were priced 6.7 ms over it where they took ~2.5).
     Each step's own excess a draft (their median: 20 us) prices them at what they took."""
-    policy = DynamicPolicy()
-    policy.graphs(512)
-    for _ in range(3):
-        policy.observe(64, 0.0071, 0.0, 0.0, decode=True)
-        policy.observe(256, 0.0107, 0.0, 0.0, decode=True)
-
-    def took(tokens: int) -> float:
-        return 0.006 + 20e-6 * tokens
-
+    policy = _h100_64_streams()
     for tokens in range(200, 620, 20):
-        policy.observe(tokens, took(tokens), 0.0, 0.0)
+        policy.observe(tokens, _took(tokens), 0.0, 0.0)
     for tokens in (200, 230, 250, 300, 350, 400, 450, 500):
         more = 0.002 if tokens < 400 else 0.008
-        policy.observe(tokens, took(tokens) + more, 0.0, 0.0, drafts=100)
+        policy.observe(tokens, _took(tokens) + more, 0.0, 0.0, drafts=100)
     line = policy.cost.forward.line(False)
     assert policy.cost.drafted.extra(line) == pytest.approx(20e-6, rel=0.1)
     curves = [survival([0.8, 0.7, 0.6])] * 60
