@@ -508,7 +508,7 @@ class StepCostModel:
     """Seconds one step takes: the forward of its tokens, then sampling, then drafting.
 
     ``drafted``: what the drafts of steps with prefill cost beyond those steps' line
-    (``DraftCost``)."""
+    (``DraftCost``), its samples kept at the forward's level as the forward's are."""
 
     def __init__(self) -> None:
         self.forward = ForwardTimeEstimator()
@@ -522,9 +522,18 @@ class StepCostModel:
     ) -> None:  # fmt: skip
         self.forward.add(tokens, forward_s, decode)
         if drafts and not decode:
-            self.drafted.add(tokens, drafts, forward_s)
+            self.drafted.add(tokens, drafts, forward_s / self.forward.level)
         self.sampler.add(sample_s)
         self.drafter.add(draft_s)
+
+    def draft_time(self) -> float | None:
+        """Seconds a draft adds to a step with prefill: a token of the line through those
+        steps and ``DraftCost``'s excess (None while there is no line)."""
+        line = self.forward.line(False)
+        if line is None:
+            return None
+        level = self.forward.level
+        return line[1] + level * self.drafted.extra((line[0] / level, line[1] / level))
 
     @property
     def ready(self) -> bool:

@@ -232,11 +232,10 @@ class DynamicPolicy(VerifyPolicy):
                 base = table[0]
                 rows = forward.times(step.base_yield, drafts, True, optimistic)
                 added = rows - rows[0]
-                line = forward.line(False)
-                if line is None:
+                each = self.cost.draft_time()
+                if each is None:
                     added = np.maximum(added, table - base)
                 else:
-                    each = line[1] + self.cost.drafted.extra(line)
                     added = np.maximum(added, each * np.arange(drafts + 1))
                 table = base + added
             out = table + fixed

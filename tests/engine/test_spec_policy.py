@@ -1304,3 +1304,31 @@ def test_what_drafts_cost_in_a_prefill_step_is_each_steps_excess_not_two_lines_a
     # the first two drafts pay (0.56 a draft of ~40 us, where a decode step yields 8.4 a
     # ms), the third not quite
     assert sum(policy.lengths(VerifyStep(curves, curves, 561, 60, decode=False))) == 120
+
+
+def test_the_draft_excess_of_a_slow_spell_is_priced_at_the_level_now():
+    """Steps with prefill take 6 ms + 20 us a token, 2 ms more with 100 drafts: a draft
+    costs 40 us. A slow spell lifts the decode steps 1.5x (the level), and the steps with
+    prefill and drafts measured in it took 1.5x as long: a draft then costs 60 us, and
+    their excess, kept at the level they came at as the forward's samples are, does not
+    count the spell twice (compared as measured against the line at the samples' level,
+    a draft would cost 165 us)."""
+    cost = StepCostModel()
+
+    def decode(factor: float) -> None:
+        cost.add(64, factor * 0.0071, 0.0, 0.0, decode=True)
+        cost.add(256, factor * 0.0107, 0.0, 0.0, decode=True)
+
+    for _ in range(3):
+        decode(1.0)
+    for tokens in range(200, 620, 20):
+        cost.add(tokens, _took(tokens), 0.0, 0.0)
+    for tokens in (200, 300, 400):
+        cost.add(tokens, _took(tokens) + 0.002, 0.0, 0.0, drafts=100)
+    assert cost.draft_time() == pytest.approx(40e-6, rel=0.05)
+    for _ in range(8):
+        decode(1.5)
+    assert cost.forward.level == pytest.approx(1.5)
+    for tokens in (250, 350, 450, 550, 600):
+        cost.add(tokens, 1.5 * (_took(tokens) + 0.002), 0.0, 0.0, drafts=100)
+    assert cost.draft_time() == pytest.approx(60e-6, rel=0.05)
