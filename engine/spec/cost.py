@@ -495,12 +495,14 @@ class DraftCost:
     def ready(self) -> bool:
         return len(self._samples) >= self.min_samples
 
-    def extra(self, line: tuple[float, float]) -> float:
-        """Seconds a draft costs beyond ``line``'s slope (0 until ready; never below 0)."""
+    def extra(self, line: tuple[float, float], level: float = 1.0) -> float:
+        """Seconds a draft costs beyond ``line``'s slope, its samples (kept at the level
+        they came at) times ``level`` (0 until ready; never below 0)."""
         if not self.ready:
             return 0.0
         baseline, slope = line
-        excess = statistics.median((s - baseline - slope * t) / d for t, d, s in self._samples)
+        excess = statistics.median((level * s - baseline - slope * t) / d
+                                   for t, d, s in self._samples)  # fmt: skip
         return max(excess, 0.0)
 
 
@@ -532,8 +534,7 @@ class StepCostModel:
         line = self.forward.line(False)
         if line is None:
             return None
-        level = self.forward.level
-        return line[1] + level * self.drafted.extra((line[0] / level, line[1] / level))
+        return line[1] + self.drafted.extra(line, self.forward.level)
 
     @property
     def ready(self) -> bool:
