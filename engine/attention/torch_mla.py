@@ -28,7 +28,6 @@ context, causally.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Collection
 
 import torch
@@ -37,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.base import AttentionMetadata, MLABackend
-from engine.attention.torch_sdpa import each_sequence, padded_contexts, store_rows
+from engine.attention.torch_sdpa import causal, each_sequence, padded_contexts, store_rows
 
 # SDPA's fused backends the CUDA prefill may take: not cuDNN's, which builds an execution
 # graph for each new (queries, keys) shape, and nearly every prompt brings one: 0.75-1.2 s
@@ -128,8 +127,8 @@ class TorchMLABackend(MLABackend):
         with zeros to the keys' width: what SDPA's fused kernels take (a 4k-token prefill
         of deepseek-v3-4l spent 268 of its 321 ms in the float32 math kernel), flash's or
         the memory-efficient one (``FUSED_PREFILL``). Elsewhere an
-        explicit mask over 3-D operands, which keeps the math kernel: the CPU's fused one
-        rounds bf16 further from float32."""
+        explicit mask over 3-D operands, which keeps the math kernel (the CPU's fused one
+        rounds bf16 further from float32), in blocks of queries (``causal``)."""
         mla = self.mla
         fused = q.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
         dtype = cache.dtype if fused else q.dtype
@@ -143,10 +142,11 @@ class TorchMLABackend(MLABackend):
             # [H, L, D] each; on CUDA [1, H, L, D] and the mask lower-right causal
             operands = [x.transpose(0, 1) for x in (q[tokens].to(dtype), k, F.pad(v, (0, pad)))]
             if fused:
-                operands = [x[None] for x in operands]
                 q_len = tokens.stop - tokens.start
                 mask = causal_lower_right(q_len, rows.shape[0]) if q_len > 1 else None
-            with sdpa_kernel(FUSED_PREFILL) if fused else contextlib.nullcontext():
-                o = F.scaled_dot_product_attention(*operands, attn_mask=mask, scale=self.scale)
-            o = o[0] if fused else o  # [H, q_len, D]
+                with sdpa_kernel(FUSED_PREFILL):
+                    o = F.scaled_dot_product_attention(*[x[None] for x in operands],
+                                                       attn_mask=mask, scale=self.scale)[0]
+            else:
+                o = causal(*operands, mask, self.scale)  # [H, q_len, D]
             out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)

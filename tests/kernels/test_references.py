@@ -12,10 +12,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_cases import dense_attention, make_problem, rel_error
 
 from engine.attention.base import AttentionMetadata
-from engine.attention.torch_sdpa import TorchSDPABackend
+from engine.attention.torch_sdpa import QUERY_BLOCK, TorchSDPABackend, causal, fused
 from kernels.activation import silu_and_mul_ref
 from kernels.gemv import MAX_ROWS, ROWS, gemv_ref, gemv_supported
 from kernels.norm_rope_cache import (
@@ -101,12 +102,17 @@ def _metadata(p) -> AttentionMetadata:
     )
 
 
-@pytest.mark.parametrize("decode", [True, False])
-def test_references_agree_with_the_engine_backend(decode):
+@pytest.mark.parametrize(("lens", "q_lens"), [
+    ([5, 40, 33], [1, 1, 1]),  # decode
+    ([5, 40, 33], [5, 9, 1]),
+    # chunks of more than QUERY_BLOCK queries, attended in blocks of it: a fresh prompt,
+    # a chunk after a prefix that ends inside a block, a decode row
+    ([300, 700, 40], [300, 451, 1]),
+])  # fmt: skip
+def test_references_agree_with_the_engine_backend(lens, q_lens):
     """Same cache, same metadata: the engine's CPU path and the references agree."""
     heads, kv_heads, dim, block_size = 6, 2, 64, 16
-    lens = [5, 40, 33]
-    q_lens = [1, 1, 1] if decode else [5, 9, 1]
+    decode = max(q_lens) == 1
     p = make_problem(
         lens,
         q_lens,
@@ -142,6 +148,26 @@ def test_references_agree_with_the_engine_backend(decode):
             scale=p.scale,
         )
     assert rel_error(engine_out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("q_len", "seq_len"), [(300, 300), (451, 700), (QUERY_BLOCK, 900)])
+def test_a_long_chunks_attention_in_blocks_or_fused_is_its_masked_attention(
+    dtype, q_len, seq_len
+):
+    """``causal`` (blocks of queries, each over the keys up to its last) and ``fused``
+    (key/value heads repeated, the mask aligned to the last key) attend as one SDPA call
+    under ``each_sequence``'s mask does: the queries the last ``q_len`` of the positions."""
+    torch.manual_seed(5)
+    q = torch.randn(6, q_len, 64, dtype=dtype)
+    k, v = torch.randn(2, 2, seq_len, 64, dtype=dtype)
+    mask = torch.arange(seq_len - q_len, seq_len)[:, None] >= torch.arange(seq_len)[None, :]
+    whole = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                           scale=0.125, enable_gqa=True)  # fmt: skip
+    blocks = causal(q, k, v, mask, 0.125, enable_gqa=True)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert blocks.dtype == dtype and rel_error(blocks.float(), whole) < tolerance
+    assert rel_error(fused(q, k, v, 0.125).float(), whole) < tolerance
 
 
 def test_num_splits_fill_the_gpu_and_never_exceed_the_tiles():
