@@ -20,7 +20,7 @@ QUESTIONS = [
     "Name a famous painting by Leonardo da Vinci.",
     "Give me a tip for learning to program.",
 ]
-NEW_TOKENS = 64
+NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
