@@ -1233,6 +1233,39 @@ def test_a_probe_without_drafts_rests_the_drafter():
     assert any(spec.lengths(cands, 16, 16, decode=True, limit=10_000))
 
 
+def test_under_overlap_the_drafter_proposes_right_after_a_probe_without_drafts():
+    """Under overlap the plan right after a rest has no proposals yet (those of the rest's
+    last step are not back). After a rest by the policy's verdict it proposes no second
+    time; after the guard's probe it does, for drafts pay there: waiting, the step after
+    the first with drafts had none, and a probe of three steps ran five or six without
+    drafts (an H100 at 256 decode streams, 0.98x fixed k = 1)."""
+    spec = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                                          schedule="dynamic"), lagged=True, clock=_Clock())
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:
+        spec.policy.observe(rows, 0.010, 0.0, 0.0, decode=True)  # drafts look free
+    cands = [Candidate(request(f"r{i}"), [0] * 5, survival([0.9] * 5)) for i in range(16)]
+    assert any(spec.lengths(cands, 16, 16, decode=True))  # drafts favoured
+    spec.guard._get(spec.guard.regime(16, False)).due = True  # a probe falls due
+    assert not any(spec.lengths(cands, 16, 16, decode=True))
+    proposing = []
+    for _ in range(guard.PROBE_STEPS):  # the probe's rest, then the plan right after
+        assert not any(spec.lengths([], 16, 16, decode=True))
+        proposing.append(spec.proposes)
+    assert proposing == [False] * (guard.PROBE_STEPS - 2) + [True, True]
+
+    verdict = SpecDecoding(SpeculativeConfig(method="ngram", num_speculative_tokens=5,
+                                             schedule="dynamic"), lagged=True, clock=_Clock())
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128) * 3:  # drafts far too dear
+        verdict.policy.observe(rows, 0.010 * rows, 0.0, 0.0, decode=True)
+    for _ in range(2):  # the second verdict of none in a row rests the drafter 2 steps
+        assert not any(verdict.lengths(cands, 16, 16, decode=True))
+    proposing = []
+    for _ in range(3):  # the rest, then the plan right after
+        assert not any(verdict.lengths([], 16, 16, decode=True))
+        proposing.append(verdict.proposes)
+    assert proposing == [False, True, False]
+
+
 def test_under_overlap_a_step_is_priced_at_least_its_host_time():
     """Under overlap the device waits for the host's work on a step where it is the
     longer: drafts whose host work outlasts the forward they save are not verified, and
