@@ -71,9 +71,9 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     ``Lq`` of ``L`` positions and causal, by SDPA's fused kernel: the key/value heads
     repeated to the query heads (with ``enable_gqa``, or an explicit mask, the CPU computes
     the whole score matrix in its math kernel) and the mask aligned to the last key. On
-    the CPU it skips the blocks the mask drops: SmolLM2's heads on one core, a 2000-token
-    prompt's attention took 615 ms a layer through the math kernel, 193 so
-    (``bench.cpu_engine --prefill-len 2000``)."""
+    the CPU it skips the blocks the mask drops: a 2000-token prompt of the default model
+    on two cores ran at 107 tok/s through the math kernel, 195 so
+    (``bench.cpu_engine --prefill-len 2000``; transformers' 196 and 193)."""
     groups = q.shape[0] // k.shape[0]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
@@ -90,9 +90,8 @@ def causal(
     (``each_sequence``'s: the queries are the last ``Lq`` of ``L`` positions) in the math
     kernel, where ``fused`` does not serve (another dtype: the CPU's fused kernel rounds
     bf16 further from float32), in blocks of ``QUERY_BLOCK`` positions (counted from the
-    sequence's start) each over the keys up to its last: the same sums, without the part
-    of the score matrix the mask would drop (a 2000-token prompt's attention, as
-    ``fused``'s: 615 ms a layer, 294 so)."""
+    sequence's start) each over the keys up to its last: the same sums, without most of
+    the score matrix the mask would drop."""
     q_len, seq_len = q.shape[-2], k.shape[-2]
     if mask is None or q_len <= QUERY_BLOCK:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **sdpa)
