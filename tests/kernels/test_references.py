@@ -105,8 +105,8 @@ def _metadata(p) -> AttentionMetadata:
 @pytest.mark.parametrize(("lens", "q_lens"), [
     ([5, 40, 33], [1, 1, 1]),  # decode
     ([5, 40, 33], [5, 9, 1]),
-    # chunks of more than QUERY_BLOCK queries, attended in blocks of it: a fresh prompt,
-    # a chunk after a prefix that ends inside a block, a decode row
+    # chunks of more than QUERY_BLOCK queries (in float32 through SDPA's fused kernel): a
+    # fresh prompt, a chunk after a prefix that ends inside a block, a decode row
     ([300, 700, 40], [300, 451, 1]),
 ])  # fmt: skip
 def test_references_agree_with_the_engine_backend(lens, q_lens):
