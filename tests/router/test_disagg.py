@@ -82,7 +82,7 @@ def tiny(**cache) -> EngineConfig:
 
 def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(4)
-    lengths = [round(10 * 200 ** (i / 11)) for i in range(12)]  # 10 .. 2000, geometric
+    lengths = [round(10 * 100 ** (i / 11)) for i in range(12)]  # 10 .. 1000, geometric
     prompts = [[rng.randrange(100, vocab - 100) for _ in range(n)] for n in lengths]
     for base in (3, 6, 8, 10):  # four more that extend earlier ones: prefix-cache hits
         prompts.append(prompts[base] + [rng.randrange(100, vocab - 100) for _ in range(37)])
