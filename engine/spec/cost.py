@@ -439,8 +439,19 @@ def _theil_sen(points: Sequence[Point]) -> tuple[float, float] | None:
     up = rise > 0  # each pair once, of different tokens
     if not up.any():
         return None
-    slope = max(float(np.median((seconds[None, :] - seconds[:, None])[up] / rise[up])), 0.0)
-    return float(np.median(seconds - slope * tokens)), slope
+    slope = max(_median((seconds[None, :] - seconds[:, None])[up] / rise[up]), 0.0)
+    return _median(seconds - slope * tokens), slope
+
+
+def _median(values: np.ndarray) -> float:
+    """The median of ``values``, by partition: ``np.median``'s first call imports
+    ``numpy.ma`` (its NaN check), and on the H200's host that import (~40 ms) stalled the
+    first step with prefill the dynamic policy priced."""
+    half = len(values) // 2
+    if len(values) % 2:
+        return float(np.partition(values, half)[half])
+    low, high = np.partition(values, (half - 1, half))[half - 1 : half + 1]
+    return float((low + high) / 2)
 
 
 def _running_max(points: list[Point]) -> list[Point]:
