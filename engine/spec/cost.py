@@ -61,7 +61,14 @@
   before the spell (8 ms) looked cheaper than the one running in it, the policy verified
   one draft a request at 64 streams where three paid, and ran at 0.81x fixed k = 3. A
   step with prefill gives no ratio (it costs more than its tokens say where it holds
-  drafts: ``DraftCost``); its samples are kept at the level too.
+  drafts: ``DraftCost``); its samples are kept at the level too. The level is *steady*
+  while its ratios agree within ``LEVEL_STEADY``; while a spell begins or ends they do
+  not, the level lags the machine, and a size first measured then is kept at the wrong
+  level (``engine.spec.policy`` measures none then). On the H200 at 128 streams 384 rows,
+  explored as a spell of the device ended (256-row steps 12.1 ms for 9.6), were kept at
+  the spell's level, cheaper than they are; running them alone, the level stayed where
+  their samples put it, 256 rows stayed priced at 12.2 ms, and dynamic verified two and
+  three drafts a request for the rest of the point where one paid (0.92x fixed k = 1).
 
   ``line`` is one Theil-Sen line through the latest samples of a kind, each step its own
   point: its slope (the median of the slopes between every two) is what a token more
@@ -137,6 +144,7 @@ _Priced = tuple[list[int], list[Point], bool, np.ndarray, np.ndarray]
 STALE_AFTER = 512  # steps without a sample after which a group is forgotten (docstring)
 PRUNE_EVERY = 32  # steps between two looks for such groups
 LEVEL_WINDOW = 8  # the latest steps whose times over their prices make the level (docstring)
+LEVEL_STEADY = 1.1  # the most those ratios may spread for the level to be steady (docstring)
 LINE_WINDOW = 64  # the latest steps of a kind ``line`` runs through (every pair: 2,016; all
 # kept, ~550 at 48 a group, took 7 ms a step with prefill)
 
@@ -190,6 +198,12 @@ class ForwardTimeEstimator:
             stale = sorted((n, k) for k, n in self._last.items()
                            if self._added - n > self.stale_after)  # fmt: skip
             self._forget([old for _, old in stale[: max(len(self._groups) - 2, 0)]])
+
+    @property
+    def steady(self) -> bool:
+        """Whether the ratios the level is the median of agree within ``LEVEL_STEADY``:
+        not while a slow spell begins or ends (module docstring)."""
+        return not self._ratios or max(self._ratios) <= LEVEL_STEADY * min(self._ratios)
 
     def forget_idle(self, tokens: int, decode: bool, steps: int) -> int:
         """Forget the groups of this kind above a step of ``tokens`` tokens that no step

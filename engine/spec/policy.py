@@ -78,7 +78,10 @@ as the statistics one step older give it (``budget_curve``, which sizes the tota
   and dynamic ran at 0.94x fixed-1 (``bench.spec_decode_sim --machine h100``).
   Sizes are explored one at a time, upwards from the choice (an unmeasured size between
   measured ones too: priced as the larger one, it would otherwise never be tried), so an
-  exploration costs at most one graph size more than what is known.
+  exploration costs at most one graph size more than what is known. None is explored,
+  nor measured again, while the cost model's level is not steady (a slow spell beginning
+  or ending, ``engine.spec.cost``): a size measured then is kept at a level that is not
+  the machine's.
 
   A measured decode size above the choice that no step came to in ``REMEASURE_AFTER``
   steps is measured again (forgotten, then explored) where the choice would take it at
@@ -259,7 +262,8 @@ class DynamicPolicy(VerifyPolicy):
         due = self._since_explore >= EXPLORE_EVERY
         if decode and (more := self._measure_on(step, total)):
             total = more  # an exploration under way goes on at once
-        elif due or not total:  # a choice of no drafts explores at once: it risks least
+        elif (due or not total) and forward.steady:  # (none at once: it risks least; and
+            # none while the level moves: a size measured then is kept at the wrong level)
             if due:
                 self._since_explore = 0
             # one size past the measured ones at a time: the top of the first unmeasured

@@ -1394,3 +1394,31 @@ def test_the_draft_excess_of_a_slow_spell_is_priced_at_the_level_now():
     for tokens in (250, 350, 450, 550, 600):
         cost.add(tokens, 1.5 * (_took(tokens) + 0.002), 0.0, 0.0, drafts=100)
     assert cost.draft_time() == pytest.approx(60e-6, rel=0.05)
+
+@pytest.mark.parametrize(("start", "steps"), [(50, 10), (56, 6), (59, 4)])
+def test_no_size_is_first_measured_while_a_slow_spell_moves_the_level(start, steps):
+    """128 decode streams on the H200: 384 rows, explored as a slow spell of the device
+    ended (256-row steps 12.1 ms where they take 9.6), were kept at the spell's level,
+    cheaper than they are; running them alone, the level stayed where their samples put
+    it, 256 rows stayed priced at the spell's time, and dynamic verified two and three
+    drafts a request for the rest of the point where one paid (0.92x fixed k = 1). Here a
+    spell of 1.26x over ``steps`` steps from ``start`` (each trapped it so before): no
+    size is explored while the level's ratios disagree, and the policy ends verifying
+    one draft a request."""
+    forward_s = {128: 7.0e-3, 256: 10.0e-3, 320: 11.7e-3, 384: 13.9e-3, 512: 17.0e-3}
+
+    def time(rows: int) -> float:
+        return forward_s[min(s for s in forward_s if s >= graph_size(rows))]
+
+    policy = DynamicPolicy()
+    for rows in (128, 256, 320) * 3:
+        policy.observe(rows, time(rows), 0.0001, 0.0, True)
+    curves = [survival([0.8, 0.7, 0.6])] * 128
+    chosen = []
+    for i in range(300):
+        n = sum(policy.lengths(VerifyStep(curves, curves, 128, 128, decode=True)))
+        chosen.append(n)
+        slow = 1.26 if start <= i < start + steps else 1.0
+        policy.observe(128 + n, slow * time(128 + n), 0.0001, 0.0, True)
+    # one draft a request, but for the sizes above measured again now and then
+    assert chosen[-100:].count(128) >= 85, chosen
