@@ -1395,6 +1395,7 @@ def test_the_draft_excess_of_a_slow_spell_is_priced_at_the_level_now():
         cost.add(tokens, 1.5 * (_took(tokens) + 0.002), 0.0, 0.0, drafts=100)
     assert cost.draft_time() == pytest.approx(60e-6, rel=0.05)
 
+
 @pytest.mark.parametrize(("start", "steps"), [(50, 10), (56, 6), (59, 4)])
 def test_no_size_is_first_measured_while_a_slow_spell_moves_the_level(start, steps):
     """128 decode streams on the H200: 384 rows, explored as a slow spell of the device
