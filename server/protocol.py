@@ -381,7 +381,7 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _non_empty(cls, value: Prompt) -> Prompt:
         if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
+            raise ValueError("must not be empty")
         if isinstance(value, list) and any(isinstance(p, list) and not p for p in value):
             raise ValueError("token id prompts must not be empty")
         return value

@@ -139,7 +139,8 @@ def test_empty_messages_is_400(http):
 
 
 def test_empty_and_out_of_vocabulary_prompts_are_400(http):
-    _error(http.post("/v1/completions", json={"prompt": []}), 400)
+    error = _error(http.post("/v1/completions", json={"prompt": []}), 400)
+    assert (error["param"], error["message"]) == ("prompt", "prompt: must not be empty")
     _error(http.post("/v1/completions", json={"prompt": [[]]}), 400)
     error = _error(http.post("/v1/completions", json={"prompt": [1, 10_000_000]}), 400)
     assert "10000000" in error["message"]
