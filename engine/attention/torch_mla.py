@@ -33,10 +33,9 @@ from collections.abc import Collection
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.attention.base import AttentionMetadata, MLABackend
-from engine.attention.torch_sdpa import causal, each_sequence, padded_contexts, store_rows
+from engine.attention.torch_sdpa import causal, each_sequence, fused, padded_contexts, store_rows
 
 # SDPA's fused backends the CUDA prefill may take: not cuDNN's, which builds an execution
 # graph for each new (queries, keys) shape, and nearly every prompt brings one: 0.75-1.2 s
@@ -122,31 +121,28 @@ class TorchMLABackend(MLABackend):
         sequences ``seqs`` of the step, written into their rows of ``out``.
 
         On CUDA (a bf16/fp16 cache) in the cache's dtype — the queries can arrive in float32
-        from the rotary step — with SDPA's own causal mask aligned to the last key (a chunk
-        after a cached prefix sees the whole prefix), 4-D operands and the values padded
+        from the rotary step — through ``fused`` (SDPA's own causal mask aligned to the last
+        key: a chunk after a cached prefix sees the whole prefix) with the values padded
         with zeros to the keys' width: what SDPA's fused kernels take (a 4k-token prefill
         of deepseek-v3-4l spent 268 of its 321 ms in the float32 math kernel), flash's or
         the memory-efficient one (``FUSED_PREFILL``). Elsewhere an
         explicit mask over 3-D operands, which keeps the math kernel (the CPU's fused one
         rounds bf16 further from float32), in blocks of queries (``causal``)."""
         mla = self.mla
-        fused = q.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
-        dtype = cache.dtype if fused else q.dtype
-        pad = mla.qk_head_dim - mla.v_head_dim if fused else 0
+        on_cuda = q.is_cuda and cache.dtype in (torch.bfloat16, torch.float16)
+        dtype = cache.dtype if on_cuda else q.dtype
+        pad = mla.qk_head_dim - mla.v_head_dim if on_cuda else 0
         kv_b = kv_b.to(dtype)
-        for tokens, rows, mask in each_sequence(cache, meta, masks=not fused, seqs=seqs):
+        for tokens, rows, mask in each_sequence(cache, meta, masks=not on_cuda, seqs=seqs):
             c, k_pe = rows.to(dtype).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             kv = F.linear(c, kv_b).unflatten(-1, (self.num_heads, -1))  # [L, H, nope + v]
             k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
             k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)), dim=-1)
-            # [H, L, D] each; on CUDA [1, H, L, D] and the mask lower-right causal
+            # [H, L, D] each
             operands = [x.transpose(0, 1) for x in (q[tokens].to(dtype), k, F.pad(v, (0, pad)))]
-            if fused:
-                q_len = tokens.stop - tokens.start
-                mask = causal_lower_right(q_len, rows.shape[0]) if q_len > 1 else None
+            if on_cuda:
                 with sdpa_kernel(FUSED_PREFILL):
-                    o = F.scaled_dot_product_attention(*[x[None] for x in operands],
-                                                       attn_mask=mask, scale=self.scale)[0]
+                    o = fused(*operands, self.scale)
             else:
                 o = causal(*operands, mask, self.scale)  # [H, q_len, D]
             out[tokens] = o[..., : mla.v_head_dim].transpose(0, 1)
