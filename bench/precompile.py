@@ -45,7 +45,7 @@ def model_configs(config) -> set:
     from kernels import prefill_attention as pre
     from kernels.activation import SiluMulConfig
     from kernels.gemv import MAX_ROWS, ROWS, VEC, GemvConfig
-    from kernels.norm_rope_cache import CacheWriteConfig, NormConfig, RopeConfig
+    from kernels.norm_rope_cache import CacheWriteConfig, NormConfig, RopeConfig, norm_supported
 
     model = build_model(config, "meta", BF16)
     out: set = set()
@@ -56,7 +56,7 @@ def model_configs(config) -> set:
             n, k = mod.weight.shape
             if k % VEC == 0 and n % ROWS == 0:
                 out |= {GemvConfig(m, n, k, "bfloat16") for m in range(1, MAX_ROWS + 1)}
-        elif isinstance(mod, RMSNorm):
+        elif isinstance(mod, RMSNorm) and norm_supported(mod.weight.shape[0]):  # else torch's
             out |= {NormConfig(mod.weight.shape[0], "bfloat16", mod.eps, r) for r in (True, False)}
         elif isinstance(mod, LlamaMLP):
             out.add(SiluMulConfig(mod.gate_up_proj.weight.shape[0] // 2, "bfloat16"))
